@@ -1,0 +1,28 @@
+"""Architecture name → family: how to read its config and build its forward pass."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ember.config import ModelConfig
+from ember.families import llama
+from ember.gguf_file import GGUFFile
+from ember.weights import WeightStore
+
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    build_config: Callable[[GGUFFile], ModelConfig]
+    build_forward: Callable[[ModelConfig, WeightStore, int], Any]
+
+
+def _llama_forward(config: ModelConfig, store: WeightStore, context_length: int) -> llama.LlamaForward:
+    return llama.LlamaForward(config, llama.load_weights(store, config), store, context_length)
+
+
+FAMILIES: dict[str, Family] = {
+    "llama": Family(llama.build_config, _llama_forward),
+    "qwen3": Family(llama.build_config, _llama_forward),
+}

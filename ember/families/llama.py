@@ -1,0 +1,245 @@
+"""LLaMA and Qwen3 (GGUF architectures `llama` and `qwen3`), families.md §1–§2.
+
+One block serves both; the differences stay explicit: `llama` keeps the GGUF-permuted Q/K rows and
+uses NORM (adjacent-pair) rope, `qwen3` normalises each Q/K head (QK-norm) and uses NEOX rope.
+
+Per layer l, on rows h [T, H]:
+    x = RMSNorm(h, attn_norm)
+    q, k, v = x Wqᵀ, x Wkᵀ, x Wvᵀ            (qwen3: q, k = RMSNorm per head with attn_q_norm / attn_k_norm)
+    q, k = rope(q), rope(k)
+    a = attention(q, k, v) Woᵀ              → after_attention (before the residual add)
+    h = h + a
+    m = (silu(y Wgᵀ) ⊙ y Wuᵀ) Wdᵀ,  y = RMSNorm(h, ffn_norm)   → after_mlp (before the residual add)
+    h = h + m                               → after_layer
+z = RMSNorm(h[last], output_norm)            → before_logits
+logits = z Woutᵀ (or z Eᵀ when tied)         → after_logits
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ember.config import MetadataReader, ModelConfig, RopeLayout
+from ember.errors import GGUFError
+from ember.experiments.context import ExecutionPhase, ModelFamily
+from ember.gguf_file import GGUFFile
+from ember.kv_cache import KVCache
+from ember.ops import apply_rope, attention, linear, rms_norm, rope_tables, silu_inplace
+from ember.weights import WeightStore
+
+FAMILY_OF_ARCHITECTURE = {"llama": ModelFamily.LLAMA, "qwen3": ModelFamily.QWEN3}
+
+
+def build_config(gguf: GGUFFile) -> ModelConfig:
+    meta = MetadataReader(gguf)
+    architecture = gguf.architecture
+    hidden_size = meta.int("embedding_length")
+    layer_count = meta.int("block_count")
+    head_count = meta.int("attention.head_count")
+    head_dim = meta.int("attention.key_length", hidden_size // head_count)
+    value_dim = meta.int("attention.value_length", head_dim)
+    if value_dim != head_dim:
+        raise GGUFError(f"{gguf.path}: key_length {head_dim} != value_length {value_dim} is not supported")
+    rope_dim = meta.int("rope.dimension_count", head_dim)
+    if architecture == "llama" and rope_dim != head_dim:
+        raise GGUFError(
+            f"{gguf.path}: llama.rope.dimension_count {rope_dim} must equal the head dim {head_dim}"
+        )
+    linear_factor = 1.0
+    scaling_type = meta.raw("rope.scaling.type", "linear")
+    factor = meta.raw("rope.scaling.factor", meta.raw("rope.scale_linear"))
+    if factor and float(factor) != 1.0:
+        if scaling_type != "linear":
+            raise GGUFError(f"{gguf.path}: rope scaling type '{scaling_type}' is not supported (only linear)")
+        linear_factor = float(factor)
+    tokens = gguf.metadata.get("tokenizer.ggml.tokens")
+    vocab_size = meta.int("vocab_size", len(tokens) if tokens is not None else None)
+    return ModelConfig(
+        architecture=architecture,
+        family=FAMILY_OF_ARCHITECTURE[architecture],
+        name=str(gguf.metadata.get("general.name", gguf.path.stem)),
+        layer_count=layer_count,
+        hidden_size=hidden_size,
+        head_count=head_count,
+        head_count_kv=meta.int("attention.head_count_kv", head_count),
+        head_dim=head_dim,
+        feed_forward_length=meta.int("feed_forward_length"),
+        vocab_size=vocab_size,
+        context_length=meta.int("context_length"),
+        rms_norm_eps=meta.float("attention.layer_norm_rms_epsilon"),
+        rope_base=meta.float("rope.freq_base", 10000.0),
+        rope_dim=rope_dim,
+        rope_layout=RopeLayout.NORM if architecture == "llama" else RopeLayout.NEOX,
+        rope_linear_factor=linear_factor,
+        has_qk_norm=architecture == "qwen3",
+        tied_embeddings="output.weight" not in gguf.tensors,
+    )
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    attn_norm: np.ndarray
+    qkv: np.ndarray  # [q rows; k rows; v rows] fused into one (out, H) matrix
+    q_norm: np.ndarray | None
+    k_norm: np.ndarray | None
+    attn_output: np.ndarray
+    ffn_norm: np.ndarray
+    gate_up: np.ndarray  # [gate rows; up rows] fused
+    ffn_down: np.ndarray
+
+
+@dataclass(slots=True)
+class Weights:
+    token_embd: np.ndarray | None  # the whole table only when it is also the LM head
+    output_norm: np.ndarray
+    output: np.ndarray
+    layers: list[LayerWeights]
+
+
+def load_weights(store: WeightStore, config: ModelConfig) -> Weights:
+    def fused(*names: str) -> np.ndarray:
+        return np.ascontiguousarray(np.concatenate([store.matrix(n) for n in names], axis=0))
+
+    layers = []
+    for i in range(config.layer_count):
+        block = f"blk.{i}."
+        layers.append(LayerWeights(
+            attn_norm=store.vector(block + "attn_norm.weight"),
+            qkv=fused(block + "attn_q.weight", block + "attn_k.weight", block + "attn_v.weight"),
+            q_norm=store.vector(block + "attn_q_norm.weight") if config.has_qk_norm else None,
+            k_norm=store.vector(block + "attn_k_norm.weight") if config.has_qk_norm else None,
+            attn_output=store.matrix(block + "attn_output.weight"),
+            ffn_norm=store.vector(block + "ffn_norm.weight"),
+            gate_up=fused(block + "ffn_gate.weight", block + "ffn_up.weight"),
+            ffn_down=store.matrix(block + "ffn_down.weight"),
+        ))
+    embedding = store.matrix("token_embd.weight") if config.tied_embeddings else None
+    return Weights(
+        token_embd=embedding,
+        output_norm=store.vector("output_norm.weight"),
+        output=embedding if config.tied_embeddings else store.matrix("output.weight"),
+        layers=layers,
+    )
+
+
+class Workspace:
+    """Activation buffers for an evaluation of `rows` tokens; decode keeps one for rows = 1."""
+
+    def __init__(self, config: ModelConfig, rows: int, max_keys: int) -> None:
+        H, F, hd = config.hidden_size, config.feed_forward_length, config.head_dim
+        q_width, kv_width = config.head_count * hd, config.head_count_kv * hd
+        f32 = np.float32
+        self.rows = rows
+        self.hidden = np.zeros((rows, H), f32)
+        self.normed = np.zeros((rows, H), f32)
+        self.row_scratch = np.zeros((rows, 1), f32)
+        self.qkv = np.zeros((rows, q_width + 2 * kv_width), f32)
+        self.head_scratch = np.zeros((rows, config.head_count, 1), f32)
+        self.rope_a = np.zeros((rows, config.head_count, config.rope_dim // 2), f32)
+        self.rope_b = np.zeros_like(self.rope_a)
+        self.attention_heads = np.zeros((rows, q_width), f32)
+        self.attention_output = np.zeros((rows, H), f32)
+        self.gate_up = np.zeros((rows, 2 * F), f32)
+        self.mlp_scratch = np.zeros((rows, F), f32)
+        self.mlp_output = np.zeros((rows, H), f32)
+        group = config.head_count // config.head_count_kv
+        self.score_buffer = np.zeros(config.head_count * max_keys, f32) if rows == 1 else None
+        self.score_scratch = np.zeros((config.head_count_kv, group, 1), f32) if rows == 1 else None
+        self.final_normed = np.zeros((1, H), f32)
+        self.final_row_scratch = np.zeros((1, 1), f32)
+        self.logits = np.zeros((1, config.vocab_size), f32)
+
+
+class LlamaForward:
+    """The forward pass of one loaded llama/qwen3 model."""
+
+    def __init__(self, config: ModelConfig, weights: Weights, store: WeightStore,
+                 context_length: int) -> None:
+        self.config = config
+        self.weights = weights
+        self.store = store
+        factors = store.vector("rope_freqs.weight") if store.has("rope_freqs.weight") else None
+        self.rope_cos, self.rope_sin = rope_tables(
+            config.rope_dim, config.rope_base, context_length,
+            linear_factor=config.rope_linear_factor, frequency_factors=factors,
+        )
+        self.scale = 1.0 / float(np.sqrt(config.head_dim))
+
+    def new_cache(self, context_length: int) -> KVCache:
+        c = self.config
+        return KVCache.full(c.layer_count, c.head_count_kv, context_length, c.head_dim)
+
+    def new_workspace(self, rows: int, max_keys: int) -> Workspace:
+        return Workspace(self.config, rows, max_keys)
+
+    def embed(self, token_ids: np.ndarray, out: np.ndarray) -> None:
+        if self.weights.token_embd is not None:
+            np.take(self.weights.token_embd, token_ids, axis=0, out=out)
+        else:
+            out[...] = self.store.rows("token_embd.weight", token_ids)
+
+    def forward(self, token_ids: np.ndarray, start_position: int, cache: KVCache, ws: Workspace,
+                hooks, phase: ExecutionPhase, *, all_logits: bool = False) -> np.ndarray:
+        """Evaluate token_ids at positions start_position…; return logits of the last row
+        ([1, V], a workspace view) or of every row ([T, V], new) when all_logits."""
+        c, w = self.config, self.weights
+        T = len(token_ids)
+        hd, n_head, n_kv = c.head_dim, c.head_count, c.head_count_kv
+        q_width, kv_width = n_head * hd, n_kv * hd
+        positions = slice(start_position, start_position + T)
+        key_count = start_position + T
+        hooks.begin_evaluation(phase, start_position, T)
+
+        hidden = ws.hidden
+        self.embed(token_ids, hidden)
+        for i, layer in enumerate(w.layers):
+            hooks.before_layer(i, hidden)
+
+            x = rms_norm(hidden, layer.attn_norm, c.rms_norm_eps, ws.normed, ws.row_scratch)
+            linear(x, layer.qkv, ws.qkv)
+            q = ws.qkv[:, :q_width].reshape(T, n_head, hd)
+            k = ws.qkv[:, q_width:q_width + kv_width].reshape(T, n_kv, hd)
+            v = ws.qkv[:, q_width + kv_width:].reshape(T, n_kv, hd)
+            if c.has_qk_norm:
+                rms_norm(q, layer.q_norm, c.rms_norm_eps, q, ws.head_scratch)
+                rms_norm(k, layer.k_norm, c.rms_norm_eps, k, ws.head_scratch[:, :n_kv])
+            cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+            apply_rope(q, cos, sin, c.rope_layout, c.rope_dim, ws.rope_a, ws.rope_b)
+            apply_rope(k, cos, sin, c.rope_layout, c.rope_dim, ws.rope_a[:, :n_kv], ws.rope_b[:, :n_kv])
+            keys, values = cache.store(i, start_position, k, v)
+            attention(q, keys, values, start_position=start_position, scale=self.scale,
+                      out=ws.attention_heads, score_buffer=ws.score_buffer, row_scratch=ws.score_scratch)
+            attention_output = linear(ws.attention_heads, layer.attn_output, ws.attention_output)
+            hooks.after_attention(i, attention_output)
+            hidden += attention_output
+
+            y = rms_norm(hidden, layer.ffn_norm, c.rms_norm_eps, ws.normed, ws.row_scratch)
+            linear(y, layer.gate_up, ws.gate_up)
+            gate = ws.gate_up[:, :c.feed_forward_length]
+            up = ws.gate_up[:, c.feed_forward_length:]
+            silu_inplace(gate, ws.mlp_scratch)
+            gate *= up
+            mlp_output = linear(gate, layer.ffn_down, ws.mlp_output)
+            hooks.after_mlp(i, mlp_output)
+            hidden += mlp_output
+            hooks.after_layer(i, hidden)
+
+        cache.length = key_count
+        if all_logits:
+            normed = rms_norm(hidden, w.output_norm, c.rms_norm_eps, ws.normed, ws.row_scratch)
+            last_normed = normed[T - 1:]
+        else:
+            last_normed = rms_norm(hidden[T - 1:], w.output_norm, c.rms_norm_eps, ws.final_normed,
+                                   ws.final_row_scratch)
+        hooks.before_logits(last_normed)
+        logits = linear(last_normed, w.output, ws.logits)
+        hooks.after_logits(logits)
+        if all_logits:
+            every = np.empty((T, c.vocab_size), np.float32)
+            if T > 1:
+                linear(normed[:T - 1], w.output, every[:T - 1])
+            every[T - 1] = logits[0]
+            return every
+        return logits

@@ -1,0 +1,233 @@
+"""`Model`: a loaded GGUF model with its KV cache and decode workspace, and `generate()`.
+
+Generation runs the whole prompt as one batch (prefill), then one token at a time (decode) on a
+workspace preallocated for a single row, so decode allocates no activation per token.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from threadpoolctl import threadpool_limits
+
+from ember.config import ModelConfig, config_from_gguf
+from ember.errors import ConfigError, ContextLengthError
+from ember.experiments.adapters import DISABLED_HOOKS
+from ember.experiments.context import ExecutionPhase, ModelContext, TracingState
+from ember.experiments.failure import ExperimentFailure
+from ember.experiments.results import ExperimentResult
+from ember.experiments.runner import ExperimentRunner
+from ember.families import FAMILIES
+from ember.gguf_file import GGUFFile
+from ember.sampling import Sampler, SamplingSettings
+from ember.sources import ModelFile, resolve_model
+from ember.tokenizer import Tokenizer
+from ember.weights import WeightStore
+
+
+@dataclass(frozen=True, slots=True)
+class Timings:
+    prefill_seconds: float
+    decode_seconds: float
+    prompt_tokens: int
+    decode_evaluations: int
+
+    @property
+    def prefill_tokens_per_second(self) -> float:
+        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds > 0 else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        return self.decode_evaluations / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+
+@dataclass(slots=True)
+class Generation:
+    """The result of `Model.generate`. `complete` is False when an experiment stopped it."""
+
+    text: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    stop_reason: str  # "eog" | "length" | "failure"
+    timings: Timings
+    experiment_results: dict[str, ExperimentResult] = field(default_factory=dict)
+
+    @property
+    def complete(self) -> bool:
+        return self.stop_reason != "failure"
+
+
+def default_threads() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+class Model:
+    """A loaded model. Not thread-safe: one generation at a time."""
+
+    def __init__(self, source: ModelFile, gguf: GGUFFile, config: ModelConfig, tokenizer: Tokenizer,
+                 forward: Any, context_length: int, threads: int, load_seconds: float) -> None:
+        self.source = source
+        self.gguf = gguf
+        self.config = config
+        self.tokenizer = tokenizer
+        self.context_length = context_length
+        self.threads = threads
+        self.load_seconds = load_seconds
+        self._forward = forward
+        self._cache = forward.new_cache(context_length)
+        self._decode_workspace = forward.new_workspace(1, context_length)
+        self.model_context = ModelContext.from_config(config, model_id=source.name)
+
+    def __repr__(self) -> str:
+        return f"Model({self.source.name!r}, {self.config.architecture}, {self.config.layer_count} layers)"
+
+    def tokenize(self, prompt: str | Sequence[int], add_bos: bool | None = None) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_bos=add_bos)
+        ids = [int(t) for t in prompt]
+        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+        if bad:
+            last = self.config.vocab_size - 1
+            raise ConfigError(f"token ids {bad[:5]} are outside the vocabulary (0…{last})")
+        return ids
+
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        max_new_tokens: int = 64,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        min_p: float = 0.0,
+        seed: int = 0,
+        add_bos: bool | None = None,
+        experiments: Sequence[Any] = (),
+        tracing: TracingState = TracingState.DISABLED,
+        on_text: Callable[[str], None] | None = None,
+        stop_at_eog: bool = True,
+    ) -> Generation:
+        """Generate up to max_new_tokens after the prompt (text, or exact token ids used as given)."""
+        sampler = Sampler(SamplingSettings(temperature, top_k, top_p, min_p, seed))
+        prompt_ids = self.tokenize(prompt, add_bos)
+        self.check_fits(len(prompt_ids), max_new_tokens)
+        runner = ExperimentRunner(experiments, self.model_context, tracing) if experiments else None
+        hooks = runner.hooks if runner is not None else DISABLED_HOOKS
+
+        generated: list[int] = []
+        pieces: list[str] = []
+        decoder = self.tokenizer.stream_decoder()
+        prefill_seconds = decode_seconds = 0.0
+        decode_evaluations = 0
+        stop_reason = "length"
+
+        def emit(token_id: int) -> None:
+            piece = decoder.push(token_id)
+            if piece:
+                pieces.append(piece)
+                if on_text is not None:
+                    on_text(piece)
+
+        def result(reason: str) -> Generation:
+            tail = decoder.flush()
+            if tail:
+                pieces.append(tail)
+                if on_text is not None:
+                    on_text(tail)
+            timings = Timings(prefill_seconds, decode_seconds, len(prompt_ids), decode_evaluations)
+            results = runner.results() if runner is not None else {}
+            return Generation("".join(pieces), prompt_ids, generated, reason, timings, results)
+
+        try:
+            if runner is not None:
+                runner.on_model_loaded()
+                runner.before_prefill(0, len(prompt_ids))
+            with threadpool_limits(self.threads):
+                started = time.perf_counter()
+                logits = self._prefill(prompt_ids, hooks)
+                token = sampler(logits[0])
+                prefill_seconds = time.perf_counter() - started
+                position = len(prompt_ids)
+                while True:
+                    if stop_at_eog and token in self.tokenizer.eog_ids:
+                        stop_reason = "eog"
+                        break
+                    generated.append(token)
+                    emit(token)
+                    if len(generated) >= max_new_tokens:
+                        break
+                    started = time.perf_counter()
+                    logits = self._decode(token, position, hooks)
+                    token = sampler(logits[0])
+                    decode_seconds += time.perf_counter() - started
+                    decode_evaluations += 1
+                    position += 1
+            if runner is not None:
+                runner.on_generation_complete(len(prompt_ids), len(generated), decode_evaluations)
+        except ExperimentFailure as failure:
+            failure.generation = result("failure")
+            raise
+        return result(stop_reason)
+
+    def logits(self, token_ids: Sequence[int]) -> np.ndarray:
+        """Logits [T, V] of every position, from one clean prefill (no hooks) over a fresh cache."""
+        ids = self.tokenize(token_ids)
+        self.check_fits(len(ids), 0)
+        with threadpool_limits(self.threads):
+            return self._prefill(ids, DISABLED_HOOKS, all_logits=True)
+
+    def check_fits(self, prompt_tokens: int, max_new_tokens: int) -> None:
+        if prompt_tokens == 0:
+            raise ConfigError("the prompt is empty: give at least one token")
+        if max_new_tokens < 0:
+            raise ConfigError(f"max_new_tokens must be ≥ 0, got {max_new_tokens}")
+        if prompt_tokens + max_new_tokens > self.context_length:
+            raise ContextLengthError(
+                f"the prompt ({prompt_tokens} tokens) plus max_new_tokens ({max_new_tokens}) does not fit "
+                f"the context of {self.context_length} tokens"
+            )
+
+    def _prefill(self, prompt_ids: list[int], hooks: Any, *, all_logits: bool = False) -> np.ndarray:
+        workspace = self._forward.new_workspace(len(prompt_ids), self.context_length)
+        self._cache.length = 0
+        tokens = np.asarray(prompt_ids, dtype=np.int64)
+        return self._forward.forward(tokens, 0, self._cache, workspace, hooks, ExecutionPhase.PREFILL,
+                                     all_logits=all_logits)
+
+    def _decode(self, token: int, position: int, hooks: Any) -> np.ndarray:
+        tokens = np.array([token], dtype=np.int64)
+        return self._forward.forward(tokens, position, self._cache, self._decode_workspace, hooks,
+                                     ExecutionPhase.DECODE)
+
+
+def load_model(
+    source: str | os.PathLike[str] | ModelFile,
+    *,
+    context_length: int | None = None,
+    threads: int | None = None,
+    weight_cache: str | os.PathLike[str] | bool | None = None,
+) -> Model:
+    """Resolve `source` (a known name, a .gguf path or a ModelFile), read it and build the engine."""
+    started = time.perf_counter()
+    model_file = source if isinstance(source, ModelFile) else resolve_model(source)
+    gguf = GGUFFile.open(model_file.path)
+    config = config_from_gguf(gguf)
+    if context_length is None:
+        context_length = config.context_length
+    if not 0 < context_length <= config.context_length:
+        raise ConfigError(
+            f"context_length must be between 1 and the model's {config.context_length}, got {context_length}"
+        )
+    threads = threads or default_threads()
+    tokenizer = Tokenizer.from_gguf(gguf)
+    store = WeightStore(gguf, weight_cache)
+    family = FAMILIES[config.architecture]
+    with threadpool_limits(threads):
+        forward = family.build_forward(config, store, context_length)
+    return Model(model_file, gguf, config, tokenizer, forward, context_length, threads,
+                 time.perf_counter() - started)

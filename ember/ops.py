@@ -1,0 +1,164 @@
+"""Numerical building blocks shared by the families (families.md §0.3).
+
+Every function writes into buffers its caller owns (`out=`), so the decode path can run on a
+preallocated workspace without allocating an activation per token. Arrays are float32, rows are
+tokens.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ember.config import RopeLayout
+
+
+def linear(x: np.ndarray, weight: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """out = x @ weight.T, with weight stored (out_features, in_features) as in GGUF/PyTorch."""
+    if x.shape[0] == 1:
+        # A single row goes through BLAS gemv, which is faster than a one-row gemm.
+        np.matmul(x[0], weight.T, out=out[0])
+    else:
+        np.matmul(x, weight.T, out=out)
+    return out
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float, out: np.ndarray,
+             row_scratch: np.ndarray) -> np.ndarray:
+    """y = x / sqrt(mean(x²) + eps) * weight over the last axis; `weight=None` is the weightless norm.
+
+    `row_scratch` has x's shape with the last axis of length 1. `out` may be `x` itself.
+    """
+    np.vecdot(x, x, out=row_scratch[..., 0])
+    row_scratch *= 1.0 / x.shape[-1]
+    row_scratch += eps
+    np.sqrt(row_scratch, out=row_scratch)
+    np.divide(x, row_scratch, out=out)
+    if weight is not None:
+        out *= weight
+    return out
+
+
+def silu_inplace(x: np.ndarray, scratch: np.ndarray) -> np.ndarray:
+    """x ← x · sigmoid(x) = x / (1 + exp(−x))."""
+    np.negative(x, out=scratch)
+    np.exp(scratch, out=scratch)
+    scratch += 1.0
+    np.divide(x, scratch, out=x)
+    return x
+
+
+_GELU_C = math.sqrt(2.0 / math.pi)
+
+
+def gelu_tanh_inplace(x: np.ndarray, scratch: np.ndarray) -> np.ndarray:
+    """x ← 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))), the exact formula HF uses."""
+    np.multiply(x, x, out=scratch)
+    scratch *= 0.044715 * x
+    scratch += x
+    scratch *= _GELU_C
+    np.tanh(scratch, out=scratch)
+    scratch += 1.0
+    scratch *= 0.5
+    x *= scratch
+    return x
+
+
+def rope_tables(rope_dim: int, base: float, context_length: int, *, linear_factor: float = 1.0,
+                frequency_factors: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin of θ[p, i] = p / linear_factor · base^(−2i/rope_dim) / f_i, shape [context, rope_dim/2]."""
+    half = rope_dim // 2
+    inverse_frequency = base ** (-np.arange(half, dtype=np.float64) * 2.0 / rope_dim)
+    if frequency_factors is not None:
+        inverse_frequency = inverse_frequency / frequency_factors.astype(np.float64)
+    positions = np.arange(context_length, dtype=np.float64) / linear_factor
+    # θ is formed in float32 as HF does (p · inv_freq), then cos/sin are taken of it.
+    theta = (positions[:, None].astype(np.float32) * inverse_frequency[None, :].astype(np.float32))
+    return np.cos(theta).astype(np.float32), np.sin(theta).astype(np.float32)
+
+
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, layout: RopeLayout, rope_dim: int,
+               scratch_a: np.ndarray, scratch_b: np.ndarray) -> None:
+    """Rotate x [T, heads, head_dim] in place; cos/sin are [T, rope_dim/2] for the rows' positions.
+
+    Each pair (u, v) becomes (u·cos − v·sin, u·sin + v·cos). Dims at or past rope_dim pass through.
+    Scratch buffers are [T, heads, rope_dim/2].
+    """
+    half = rope_dim // 2
+    if layout is RopeLayout.NORM:
+        pairs = x[:, :, :rope_dim].reshape(x.shape[0], x.shape[1], half, 2)
+        u, v = pairs[..., 0], pairs[..., 1]
+    else:
+        u, v = x[:, :, :half], x[:, :, half:rope_dim]
+    cos = cos[:, None, :]
+    sin = sin[:, None, :]
+    np.multiply(u, sin, out=scratch_a)
+    np.multiply(u, cos, out=u)
+    np.multiply(v, sin, out=scratch_b)
+    np.subtract(u, scratch_b, out=u)
+    np.multiply(v, cos, out=v)
+    np.add(v, scratch_a, out=v)
+
+
+def softmax_inplace(scores: np.ndarray, row_scratch: np.ndarray) -> None:
+    """Softmax over the last axis, in place; row_scratch has the last axis of length 1."""
+    np.max(scores, axis=-1, keepdims=True, out=row_scratch)
+    scores -= row_scratch
+    np.exp(scores, out=scores)
+    np.sum(scores, axis=-1, keepdims=True, out=row_scratch)
+    scores /= row_scratch
+
+
+PREFILL_QUERY_CHUNK = 256  # bounds the [heads, chunk, keys] score block for long prompts
+
+
+def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, *, start_position: int, scale: float,
+              out: np.ndarray, score_buffer: np.ndarray | None = None,
+              row_scratch: np.ndarray | None = None, key_positions: np.ndarray | None = None,
+              sliding_window: int = 0) -> np.ndarray:
+    """Causal grouped-query attention.
+
+    q: [T, n_head, hd] for positions start_position … start_position+T−1.
+    keys/values: [n_kv, L, hd] cache views holding every visible position (the current rows included).
+    key_positions: absolute position of each cached key ([L]); default 0…L−1.
+    out: [T, n_head·hd_v]. Query head h reads KV head h // (n_head / n_kv).
+    Decode (T = 1) runs on `score_buffer` (flat, ≥ n_head·L) and `row_scratch` ([n_kv, group, 1])
+    without allocating; longer evaluations allocate their score blocks.
+    """
+    token_count, head_count, head_dim = q.shape
+    kv_count, key_count, _ = keys.shape
+    group = head_count // kv_count
+    value_dim = values.shape[2]
+    if key_positions is None:
+        key_positions = np.arange(key_count)
+
+    if token_count == 1 and score_buffer is not None:
+        query = q.reshape(kv_count, group, head_dim)
+        scores = score_buffer[: kv_count * group * key_count].reshape(kv_count, group, key_count)
+        np.matmul(query, keys.transpose(0, 2, 1), out=scores)
+        scores *= scale
+        if sliding_window:
+            hidden_keys = (start_position - key_positions) >= sliding_window
+            if hidden_keys.any():
+                scores[:, :, hidden_keys] = -np.inf
+        softmax_inplace(scores, row_scratch)
+        np.matmul(scores, values, out=out.reshape(kv_count, group, value_dim))
+        return out
+
+    out_heads = out.reshape(token_count, kv_count, group, value_dim)
+    for chunk_start in range(0, token_count, PREFILL_QUERY_CHUNK):
+        chunk = slice(chunk_start, min(chunk_start + PREFILL_QUERY_CHUNK, token_count))
+        query = q[chunk].reshape(-1, kv_count, group, head_dim).transpose(1, 2, 0, 3)  # [kv, g, t, hd]
+        scores = np.matmul(query, keys[:, None].transpose(0, 1, 3, 2))  # [kv, g, t, L]
+        scores *= scale
+        query_positions = start_position + np.arange(chunk.start, chunk.stop)
+        distance = query_positions[:, None] - key_positions[None, :]
+        masked = distance < 0
+        if sliding_window:
+            masked |= distance >= sliding_window
+        scores[:, :, masked] = -np.inf
+        softmax_inplace(scores, np.empty(scores.shape[:-1] + (1,), dtype=np.float32))
+        context = np.matmul(scores, values[:, None])  # [kv, g, t, hd_v]
+        out_heads[chunk] = context.transpose(2, 0, 1, 3)
+    return out
