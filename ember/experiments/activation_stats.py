@@ -1,0 +1,197 @@
+"""`activation_stats`: the reference observation experiment. It never writes.
+
+For every tensor hook, layer and phase it accumulates, over all evaluations of that phase: the number
+of finite values, their mean, standard deviation, RMS, minimum, maximum and largest magnitude, and
+the count of non-finite values (NaN, +inf, -inf). Statistics of the finite values exclude the
+non-finite ones. Each hook does four whole-array reductions (sum, dot, min, max); the exact finite
+mask is computed only when those show something non-finite.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ember.experiments.base import LAYER_HOOKS, TENSOR_HOOKS, Experiment
+from ember.experiments.context import (
+    ExecutionContext,
+    ExecutionPhase,
+    LayerContext,
+    ModelContext,
+    TensorAccess,
+)
+from ember.experiments.parameters import parse_phases
+from ember.experiments.results import ExperimentResult, Metric
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+STATISTICS = ("mean", "std", "rms", "min", "max", "max_abs", "nonfinite")
+
+# Accumulator slots: evaluations, finite count, sum, sum of squares, min, max, non-finite count.
+_EVALUATIONS, _COUNT, _SUM, _SUMSQ, _MIN, _MAX, _NONFINITE = range(7)
+
+
+def _reduce(values: np.ndarray) -> tuple[int, float, float, float, float, int]:
+    """(finite count, sum, sum of squares, min, max, non-finite count) of a float32 array."""
+    total = float(values.sum())
+    squares = float(np.vdot(values, values))
+    if math.isfinite(total) and math.isfinite(squares):
+        return values.size, total, squares, float(values.min()), float(values.max()), 0
+    # Something is non-finite (or the float32 sums overflowed): do it exactly, in float64.
+    finite = values[np.isfinite(values)].astype(np.float64)
+    nonfinite = values.size - finite.size
+    if finite.size == 0:
+        return 0, 0.0, 0.0, math.inf, -math.inf, nonfinite
+    return (
+        finite.size,
+        float(finite.sum()),
+        float(finite @ finite),
+        float(finite.min()),
+        float(finite.max()),
+        nonfinite,
+    )
+
+
+class ActivationStats(Experiment):
+    """Observe every activation boundary and summarise it per hook, layer and phase.
+
+    Parameters: `phases` ("prefill", "decode" or "both", the default) and `name`.
+    """
+
+    def __init__(self, phases: str | Iterable[str] = "both", name: str = "activation_stats") -> None:
+        self.name = name
+        self.phases = parse_phases(phases)
+        self.layer_count: int | None = None
+        self._stats: dict[tuple[ExecutionPhase, str, int | None], list[float]] = {}
+
+    def on_model_loaded(self, ctx: ModelContext) -> None:
+        self.layer_count = ctx.layer_count
+
+    def _record(self, phase: ExecutionPhase, hook: str, layer: int | None, tensor: TensorAccess) -> None:
+        if phase not in self.phases:
+            return
+        count, total, squares, low, high, nonfinite = _reduce(tensor.values())
+        key = (phase, hook, layer)
+        stats = self._stats.get(key)
+        if stats is None:
+            self._stats[key] = [1, count, total, squares, low, high, nonfinite]
+            return
+        stats[_EVALUATIONS] += 1
+        stats[_COUNT] += count
+        stats[_SUM] += total
+        stats[_SUMSQ] += squares
+        if low < stats[_MIN]:
+            stats[_MIN] = low
+        if high > stats[_MAX]:
+            stats[_MAX] = high
+        stats[_NONFINITE] += nonfinite
+
+    def before_layer(self, ctx: LayerContext, hidden: TensorAccess) -> None:
+        self._record(ctx.execution.phase, "before_layer", ctx.layer_index, hidden)
+
+    def after_attention(self, ctx: LayerContext, attention_output: TensorAccess) -> None:
+        self._record(ctx.execution.phase, "after_attention", ctx.layer_index, attention_output)
+
+    def after_mlp(self, ctx: LayerContext, mlp_output: TensorAccess) -> None:
+        self._record(ctx.execution.phase, "after_mlp", ctx.layer_index, mlp_output)
+
+    def after_layer(self, ctx: LayerContext, hidden: TensorAccess) -> None:
+        self._record(ctx.execution.phase, "after_layer", ctx.layer_index, hidden)
+
+    def before_logits(self, ctx: ExecutionContext, hidden: TensorAccess) -> None:
+        self._record(ctx.phase, "before_logits", None, hidden)
+
+    def after_logits(self, ctx: ExecutionContext, logits: TensorAccess) -> None:
+        self._record(ctx.phase, "after_logits", None, logits)
+
+    # -- results -------------------------------------------------------------------------------
+
+    def rows(self) -> list[dict[str, Any]]:
+        """One row per (phase, hook, layer) seen, in phase, hook, layer order."""
+        phase_order = {ExecutionPhase.PREFILL: 0, ExecutionPhase.DECODE: 1}
+        hook_order = {hook: i for i, hook in enumerate(TENSOR_HOOKS)}
+
+        def order(key: tuple[ExecutionPhase, str, int | None]) -> tuple[int, int, int]:
+            phase, hook, layer = key
+            return phase_order[phase], hook_order[hook], -1 if layer is None else layer
+
+        return [_row(key, self._stats[key]) for key in sorted(self._stats, key=order)]
+
+    def results(self) -> ExperimentResult:
+        rows = self.rows()
+        metrics = [
+            Metric(f"{row['phase']}/{row['hook']}/{statistic}", float(row[statistic]), row["layer"] or 0)
+            for row in rows
+            for statistic in STATISTICS
+        ]
+        arrays = self._layer_arrays(rows)
+        builders = {"rms_by_layer": lambda: _rms_figure(arrays)} if arrays else {}
+        return ExperimentResult(
+            metrics=metrics, tables={"activation_stats": rows}, arrays=arrays, figure_builders=builders
+        )
+
+    def _layer_arrays(self, rows: list[dict[str, Any]]) -> dict[str, np.ndarray]:
+        """`"{phase}/{statistic}"` -> float64 `[4, layer_count]` (rows: before_layer, after_attention,
+        after_mlp, after_layer); NaN where nothing was recorded."""
+        layer_rows = [row for row in rows if row["layer"] is not None]
+        if not layer_rows:
+            return {}
+        layer_count = self.layer_count or (1 + max(row["layer"] for row in layer_rows))
+        arrays: dict[str, np.ndarray] = {}
+        for row in layer_rows:
+            for statistic in STATISTICS:
+                key = f"{row['phase']}/{statistic}"
+                if key not in arrays:
+                    arrays[key] = np.full((len(LAYER_HOOKS), layer_count), np.nan)
+                arrays[key][LAYER_HOOKS.index(row["hook"]), row["layer"]] = row[statistic]
+        return arrays
+
+
+def _row(key: tuple[ExecutionPhase, str, int | None], stats: list[float]) -> dict[str, Any]:
+    phase, hook, layer = key
+    count = int(stats[_COUNT])
+    if count:
+        mean = stats[_SUM] / count
+        mean_square = stats[_SUMSQ] / count
+        std = math.sqrt(max(mean_square - mean * mean, 0.0))
+        rms = math.sqrt(mean_square)
+        low, high = stats[_MIN], stats[_MAX]
+        max_abs = max(-low, high)
+    else:
+        mean = std = rms = low = high = max_abs = math.nan
+    return {
+        "phase": phase.value,
+        "hook": hook,
+        "layer": layer,
+        "evaluations": int(stats[_EVALUATIONS]),
+        "count": count,
+        "mean": mean,
+        "std": std,
+        "rms": rms,
+        "min": low,
+        "max": high,
+        "max_abs": max_abs,
+        "nonfinite": int(stats[_NONFINITE]),
+    }
+
+
+def _rms_figure(arrays: dict[str, np.ndarray]) -> Figure:
+    from matplotlib.figure import Figure
+
+    phases = [phase.value for phase in ExecutionPhase if f"{phase.value}/rms" in arrays]
+    figure = Figure(figsize=(6 * len(phases), 4), layout="constrained")
+    axes = figure.subplots(1, len(phases), squeeze=False)[0]
+    for ax, phase in zip(axes, phases, strict=True):
+        rms = arrays[f"{phase}/rms"]
+        for hook, series in zip(LAYER_HOOKS, rms, strict=True):
+            ax.plot(np.arange(series.size), series, marker=".", label=hook)
+        ax.set_title(f"activation RMS by layer ({phase})")
+        ax.set_xlabel("layer")
+        ax.set_ylabel("RMS")
+        ax.set_yscale("log")
+        ax.legend()
+    return figure

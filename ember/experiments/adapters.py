@@ -1,0 +1,183 @@
+"""The hooks adapters the engine's forward passes call: disabled (does nothing) and active.
+
+The engine calls, by name, `begin_evaluation(phase, start_position, token_count)`, then per layer
+`before_layer`, `after_attention`, `after_mlp`, `after_layer` with `(layer_index, array)`, then
+`before_logits(array)` and `after_logits(array)`. Arrays are engine-owned C-contiguous float32 2-D.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+from ember.experiments.base import ALL_HOOKS, Experiment
+from ember.experiments.context import (
+    ExecutionContext,
+    ExecutionPhase,
+    LayerContext,
+    ModelContext,
+    TensorAccess,
+    TracingState,
+)
+from ember.experiments.failure import ExperimentFailure, describe_exception
+
+
+class HooksAdapter(Protocol):
+    """What a family forward pass may call."""
+
+    def begin_evaluation(self, phase: ExecutionPhase, start_position: int, token_count: int) -> None: ...
+    def before_layer(self, layer_index: int, hidden: np.ndarray) -> None: ...
+    def after_attention(self, layer_index: int, attention_output: np.ndarray) -> None: ...
+    def after_mlp(self, layer_index: int, mlp_output: np.ndarray) -> None: ...
+    def after_layer(self, layer_index: int, hidden: np.ndarray) -> None: ...
+    def before_logits(self, hidden: np.ndarray) -> None: ...
+    def after_logits(self, logits: np.ndarray) -> None: ...
+
+
+class DisabledHooks:
+    """The adapter used without experiments: every method does nothing and builds nothing."""
+
+    __slots__ = ()
+
+    def begin_evaluation(self, phase: ExecutionPhase, start_position: int, token_count: int) -> None:
+        pass
+
+    def before_layer(self, layer_index: int, hidden: np.ndarray) -> None:
+        pass
+
+    def after_attention(self, layer_index: int, attention_output: np.ndarray) -> None:
+        pass
+
+    def after_mlp(self, layer_index: int, mlp_output: np.ndarray) -> None:
+        pass
+
+    def after_layer(self, layer_index: int, hidden: np.ndarray) -> None:
+        pass
+
+    def before_logits(self, hidden: np.ndarray) -> None:
+        pass
+
+    def after_logits(self, logits: np.ndarray) -> None:
+        pass
+
+
+DISABLED_HOOKS = DisabledHooks()
+
+_Call = tuple[str, Callable[..., Any]]
+
+
+def _implemented(experiment: Any, hook: str) -> Callable[..., Any] | None:
+    """The experiment's bound hook method, or None when it is missing or the base class's no-op."""
+    method = getattr(experiment, hook, None)
+    if method is None or getattr(method, "__func__", None) is getattr(Experiment, hook):
+        return None
+    return method
+
+
+class ActiveHooks:
+    """The adapter used with experiments: builds contexts and `TensorAccess` views, calls each
+    experiment in list order, and turns any exception into `ExperimentFailure`.
+
+    After a failure nothing runs any more: every later call raises the same failure again.
+    """
+
+    def __init__(self, experiments: Sequence[Any], model: ModelContext, tracing: TracingState) -> None:
+        self.model = model
+        self.tracing = tracing
+        self.failure: ExperimentFailure | None = None
+        self.evaluation_count = {ExecutionPhase.PREFILL: 0, ExecutionPhase.DECODE: 0}
+        self._execution: ExecutionContext | None = None
+        self._layer: LayerContext | None = None
+        calls: dict[str, list[_Call]] = {hook: [] for hook in ALL_HOOKS}
+        for experiment in experiments:
+            for hook in ALL_HOOKS:
+                method = _implemented(experiment, hook)
+                if method is not None:
+                    calls[hook].append((experiment.name, method))
+        self._calls = calls
+        self._before_layer = calls["before_layer"]
+        self._after_attention = calls["after_attention"]
+        self._after_mlp = calls["after_mlp"]
+        self._after_layer = calls["after_layer"]
+        self._before_logits = calls["before_logits"]
+        self._after_logits = calls["after_logits"]
+
+    # -- lifecycle (called by the runner) ------------------------------------------------------
+
+    def run_lifecycle(self, hook: str, ctx: Any, phase: ExecutionPhase | None = None) -> None:
+        self._stop_if_failed()
+        for name, method in self._calls[hook]:
+            try:
+                method(ctx)
+            except Exception as error:
+                raise self._fail(name, hook, error, phase, None) from error
+
+    # -- engine side ---------------------------------------------------------------------------
+
+    def begin_evaluation(self, phase: ExecutionPhase, start_position: int, token_count: int) -> None:
+        self._stop_if_failed()
+        phase = ExecutionPhase(phase)
+        self.evaluation_count[phase] += 1
+        self._execution = ExecutionContext(
+            self.model, phase, int(start_position), int(token_count), self.tracing
+        )
+        self._layer = None
+
+    def before_layer(self, layer_index: int, hidden: np.ndarray) -> None:
+        self._layer_hook("before_layer", self._before_layer, layer_index, hidden)
+
+    def after_attention(self, layer_index: int, attention_output: np.ndarray) -> None:
+        self._layer_hook("after_attention", self._after_attention, layer_index, attention_output)
+
+    def after_mlp(self, layer_index: int, mlp_output: np.ndarray) -> None:
+        self._layer_hook("after_mlp", self._after_mlp, layer_index, mlp_output)
+
+    def after_layer(self, layer_index: int, hidden: np.ndarray) -> None:
+        self._layer_hook("after_layer", self._after_layer, layer_index, hidden)
+
+    def before_logits(self, hidden: np.ndarray) -> None:
+        self._tensor_hook("before_logits", self._before_logits, self._current_execution(), hidden, None)
+
+    def after_logits(self, logits: np.ndarray) -> None:
+        self._tensor_hook("after_logits", self._after_logits, self._current_execution(), logits, None)
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _layer_hook(self, hook: str, calls: list[_Call], layer_index: int, array: np.ndarray) -> None:
+        if not calls:
+            self._stop_if_failed()
+            return
+        ctx = self._layer
+        if ctx is None or ctx.layer_index != layer_index:
+            ctx = self._layer = LayerContext(self._current_execution(), layer_index)
+        self._tensor_hook(hook, calls, ctx, array, layer_index)
+
+    def _tensor_hook(
+        self, hook: str, calls: list[_Call], ctx: Any, array: np.ndarray, layer_index: int | None
+    ) -> None:
+        self._stop_if_failed()
+        for name, method in calls:
+            access = TensorAccess(array)
+            try:
+                method(ctx, access)
+            except Exception as error:
+                raise self._fail(name, hook, error, self._execution.phase, layer_index) from error
+            finally:
+                access.release()
+
+    def _current_execution(self) -> ExecutionContext:
+        if self._execution is None:
+            raise RuntimeError("a tensor hook was called before begin_evaluation (engine bug)")
+        return self._execution
+
+    def _stop_if_failed(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+
+    def _fail(
+        self, name: str, hook: str, error: Exception, phase: ExecutionPhase | None, layer: int | None
+    ) -> ExperimentFailure:
+        self.failure = ExperimentFailure(name, hook, describe_exception(error), phase=phase, layer=layer)
+        return self.failure

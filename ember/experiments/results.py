@@ -1,0 +1,46 @@
+"""What an experiment hands back after a run, in a form a tracker can log."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+
+@dataclass(frozen=True, slots=True)
+class Metric:
+    """One scalar: a name, a value, and the step it belongs to (e.g. a layer index)."""
+
+    name: str
+    value: float
+    step: int = 0
+
+
+@dataclass(slots=True)
+class ExperimentResult:
+    """Metrics by name and step, tables (name -> rows), arrays (name -> ndarray) and figures.
+
+    Figures are built lazily, on first access of `figures`, from the `figure_builders`, so nothing
+    imports matplotlib unless somebody asks for a figure.
+    """
+
+    metrics: list[Metric] = field(default_factory=list)
+    tables: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    arrays: dict[str, np.ndarray] = field(default_factory=dict)
+    figure_builders: dict[str, Callable[[], Figure]] = field(default_factory=dict, repr=False)
+    _figures: dict[str, Figure] | None = field(default=None, init=False, repr=False, compare=False)
+
+    @property
+    def figures(self) -> dict[str, Figure]:
+        """Name -> matplotlib Figure, built on first access."""
+        if self._figures is None:
+            self._figures = {name: build() for name, build in self.figure_builders.items()}
+        return self._figures
+
+    def is_empty(self) -> bool:
+        return not (self.metrics or self.tables or self.arrays or self.figure_builders)
