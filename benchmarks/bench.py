@@ -1,0 +1,515 @@
+"""ember against llama.cpp and transformers: same GGUF, same token ids, same thread count, same run.
+
+    python -m benchmarks.bench                               # SmolLM2-135M, all three engines
+    python -m benchmarks.bench --repeats 5 --threads 2 --json out.json
+    python -m benchmarks.bench --model gemma3-270m --engines llama.cpp,transformers
+
+Every measurement runs in its own fresh subprocess, so load times start with nothing warm in memory and
+each peak RSS belongs to one engine. For every repeat and engine there are two processes:
+
+* cold: loads the model and exits. For ember the weight cache is empty (EMBER_CACHE points at a new
+  temporary directory); llama.cpp and transformers keep no cache, so their cold and warm loads differ
+  only by what the OS page cache holds.
+* warm: loads again (ember: from the cache the cold process filled), warms up on a short prompt, then
+  times prefill at each prompt length and greedy decode of the new tokens after the first prompt length.
+
+The engines take turns within a repeat so that a change in the machine's load hits all of them alike.
+Printed figures are medians over the repeats; the JSON file holds every run.
+
+Prefill is timed from the first prompt token to the logits of the last one (only the last position's
+logits are computed by every engine). Decode is timed per step: one token in, next greedy token out;
+`--new-tokens` tokens are produced, the first by the prefill, so there are `new_tokens - 1` decode steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ENGINES = ("ember", "llama.cpp", "transformers")
+REPO_ROOT = Path(__file__).resolve().parents[1]
+OPENBLAS_VARIABLES = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
+
+# Issue 2's targets, as ember / llama.cpp throughput.
+TARGETS = {"prefill": 1.5, "decode": 0.4}
+
+# A fixed English text; its token ids, repeated and cut, are every engine's prompt.
+PROMPT_TEXT = (
+    "The old lighthouse keeper climbed the spiral stairs every evening at dusk. He counted the steps "
+    "out of habit, one hundred and twelve of them, and at the top he wiped the salt from the great "
+    "glass lens before lighting the lamp. Ships passed far out on the grey water, and he wrote their "
+    "names in a worn leather book: the colour of their sails, the hour they went by, and the direction "
+    "of the wind. In winter the storms came in from the north and the whole tower hummed like a bell. "
+)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Engines, as seen from a worker process. Each one loads in __init__ and offers prefill and decode.
+
+
+class EmberEngine:
+    def __init__(self, job: dict[str, Any]) -> None:
+        import ember
+
+        start = time.perf_counter()
+        self.model = ember.load_model(
+            job["gguf"], context_length=job["context_length"], threads=job["threads"]
+        )
+        self.load_seconds = time.perf_counter() - start
+        self.details: dict[str, Any] = {
+            "version": ember.__version__,
+            "reported_load_seconds": getattr(self.model, "load_seconds", None),
+        }
+
+    def prefill(self, ids: list[int]) -> float:
+        generation = self.model.generate(ids, max_new_tokens=1, temperature=0.0, add_bos=False)
+        return generation.timings.prefill_seconds
+
+    def decode(self, ids: list[int], new_tokens: int) -> tuple[float, int]:
+        generation = self.model.generate(ids, max_new_tokens=new_tokens, temperature=0.0, add_bos=False)
+        timings = generation.timings
+        self.details["last_decode"] = {
+            "stop_reason": generation.stop_reason,
+            "generated": len(generation.token_ids),
+            "reported_decode_tokens_per_second": timings.decode_tokens_per_second,
+        }
+        return timings.decode_seconds, len(generation.token_ids) - 1
+
+
+class LlamaCppEngine:
+    def __init__(self, job: dict[str, Any]) -> None:
+        import llama_cpp
+        import numpy
+
+        self._numpy = numpy
+        batch = max(512, max(job["prompt_lengths"]))
+        start = time.perf_counter()
+        self.llm = llama_cpp.Llama(
+            model_path=job["gguf"],
+            n_ctx=job["context_length"],
+            n_batch=batch,
+            n_ubatch=batch,
+            n_threads=job["threads"],
+            n_threads_batch=job["threads"],
+            verbose=False,
+        )
+        self.load_seconds = time.perf_counter() - start
+        self.vocab_size = self.llm.n_vocab()
+        self.details = {"version": llama_cpp.__version__, "n_batch": batch, "flash_attn": False}
+
+    def _next_token(self) -> int:
+        pointer = self.llm._ctx.get_logits_ith(-1)
+        logits = self._numpy.ctypeslib.as_array(pointer, shape=(self.vocab_size,))
+        return int(logits.argmax())
+
+    def prefill(self, ids: list[int]) -> float:
+        self.llm.reset()
+        start = time.perf_counter()
+        self.llm.eval(ids)
+        self._next_token()
+        return time.perf_counter() - start
+
+    def decode(self, ids: list[int], new_tokens: int) -> tuple[float, int]:
+        self.llm.reset()
+        self.llm.eval(ids)
+        token = self._next_token()
+        total = 0.0
+        for _ in range(new_tokens - 1):
+            start = time.perf_counter()
+            self.llm.eval([token])
+            token = self._next_token()
+            total += time.perf_counter() - start
+        return total, new_tokens - 1
+
+
+class TransformersEngine:
+    def __init__(self, job: dict[str, Any]) -> None:
+        import torch
+        import transformers
+
+        self._torch = torch
+        torch.set_num_threads(job["threads"])
+        path = Path(job["gguf"])
+        start = time.perf_counter()
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32
+        )
+        self.model.eval()
+        self.load_seconds = time.perf_counter() - start
+        self.details = {
+            "version": transformers.__version__,
+            "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(),
+            "attention": self.model.config._attn_implementation,
+        }
+
+    def _forward(self, ids: list[int], cache: Any) -> tuple[int, Any]:
+        with self._torch.inference_mode():
+            output = self.model(
+                input_ids=self._torch.tensor([ids]), past_key_values=cache, use_cache=True, logits_to_keep=1
+            )
+        return int(output.logits[0, -1].argmax()), output.past_key_values
+
+    def prefill(self, ids: list[int]) -> float:
+        start = time.perf_counter()
+        self._forward(ids, None)
+        return time.perf_counter() - start
+
+    def decode(self, ids: list[int], new_tokens: int) -> tuple[float, int]:
+        token, cache = self._forward(ids, None)
+        total = 0.0
+        for _ in range(new_tokens - 1):
+            start = time.perf_counter()
+            token, cache = self._forward([token], cache)
+            total += time.perf_counter() - start
+        return total, new_tokens - 1
+
+
+ENGINE_CLASSES = {"ember": EmberEngine, "llama.cpp": LlamaCppEngine, "transformers": TransformersEngine}
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident set size (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def blas_info() -> list[dict[str, Any]]:
+    try:
+        import threadpoolctl
+    except ImportError:
+        return []
+    keys = ("internal_api", "num_threads", "version", "architecture", "threading_layer")
+    return [{key: pool.get(key) for key in keys} for pool in threadpoolctl.threadpool_info()]
+
+
+def run_worker(job_path: str) -> None:
+    """Measure one engine in this (fresh) process and write the result where the job says."""
+    job = json.loads(Path(job_path).read_text())
+    result: dict[str, Any] = {"engine": job["engine"], "phase": job["phase"]}
+    try:
+        engine = ENGINE_CLASSES[job["engine"]](job)
+        result["load_seconds"] = engine.load_seconds
+        if job["phase"] == "warm":
+            prompts = {int(length): ids for length, ids in job["prompts"].items()}
+            warmup = prompts[min(prompts)][:16]
+            engine.prefill(warmup)
+            engine.decode(warmup, 4)
+            result["prefill_tokens_per_second"] = {}
+            for length, ids in sorted(prompts.items()):
+                result["prefill_tokens_per_second"][str(length)] = length / engine.prefill(ids)
+            seconds, steps = engine.decode(prompts[job["decode_prompt_length"]], job["new_tokens"])
+            result["decode_steps"] = steps
+            result["decode_tokens_per_second"] = steps / seconds if seconds > 0 else None
+        result["details"] = engine.details
+    except Exception as error:  # noqa: BLE001 - any failure is reported, not raised, to the parent
+        result["error"] = f"{type(error).__name__}: {error}"
+    result["peak_rss_mib"] = peak_rss_mib()
+    result["blas"] = blas_info()
+    Path(job["result_path"]).write_text(json.dumps(result))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Prompt token ids, computed once in the parent and handed to every engine.
+
+
+def _encoder(gguf: Path) -> tuple[str, Any]:
+    """A function encode(text, add_special) -> ids from the first tokenizer that can be had."""
+    errors = []
+    try:
+        from ember.gguf_file import GGUFFile
+        from ember.tokenizer import Tokenizer
+
+        tokenizer = Tokenizer.from_gguf(GGUFFile.open(gguf))
+        return "ember", lambda text, special: list(tokenizer.encode(text, add_special=special))
+    except Exception as error:  # noqa: BLE001
+        errors.append(f"ember: {type(error).__name__}: {error}")
+    try:
+        import llama_cpp
+
+        vocab = llama_cpp.Llama(model_path=str(gguf), vocab_only=True, verbose=False)
+        return "llama.cpp", lambda text, special: vocab.tokenize(text.encode(), add_bos=special)
+    except Exception as error:  # noqa: BLE001
+        errors.append(f"llama.cpp: {type(error).__name__}: {error}")
+    try:
+        import transformers
+
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        return "transformers", lambda text, special: tokenizer.encode(text, add_special_tokens=special)
+    except Exception as error:  # noqa: BLE001
+        errors.append(f"transformers: {type(error).__name__}: {error}")
+    sys.exit("No tokenizer could encode the prompt:\n  " + "\n  ".join(errors))
+
+
+def prompt_ids(gguf: Path, lengths: list[int]) -> tuple[str, dict[int, list[int]]]:
+    """The fixed text's ids repeated and cut to each length, after the model's special prefix (BOS)."""
+    name, encode = _encoder(gguf)
+    body = list(encode(PROMPT_TEXT, False))
+    with_specials = list(encode(PROMPT_TEXT, True))
+    head = with_specials[: len(with_specials) - len(body)] if with_specials[-len(body):] == body else []
+    prompts = {}
+    for length in lengths:
+        repeats = (length - len(head)) // len(body) + 1
+        prompts[length] = (head + body * repeats)[:length]
+    return name, prompts
+
+
+# ----------------------------------------------------------------------------------------------------
+# The parent: spawn workers, gather, summarise, print, write JSON.
+
+
+def resolve_gguf(args: argparse.Namespace) -> Path:
+    if args.gguf:
+        return Path(args.gguf).resolve()
+    try:
+        from ember.sources import resolve_model
+    except ImportError as error:
+        sys.exit(f"ember.sources is not available ({error}); pass --gguf PATH to a local file.")
+    return Path(resolve_model(args.model).path).resolve()
+
+
+def spawn(job: dict[str, Any], env: dict[str, str], workdir: Path, timeout: float) -> dict[str, Any]:
+    name = f"{job['engine']}-{job['phase']}-{job['repeat']}"
+    job_path = workdir / f"{name}.job.json"
+    job["result_path"] = str(workdir / f"{name}.result.json")
+    job_path.write_text(json.dumps(job))
+    command = [sys.executable, "-m", "benchmarks.bench", "--worker", str(job_path)]
+    try:
+        completed = subprocess.run(
+            command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout
+        )
+    except subprocess.TimeoutExpired:
+        return {"engine": job["engine"], "phase": job["phase"], "error": f"timed out after {timeout:.0f} s"}
+    result_path = Path(job["result_path"])
+    if not result_path.exists():
+        tail = (completed.stderr or completed.stdout).strip().splitlines()[-5:]
+        return {
+            "engine": job["engine"],
+            "phase": job["phase"],
+            "error": f"worker exited {completed.returncode}: " + " | ".join(tail),
+        }
+    return json.loads(result_path.read_text())
+
+
+def median(values: list[float]) -> float | None:
+    values = [value for value in values if value is not None]
+    return statistics.median(values) if values else None
+
+
+def summarise(runs: list[dict[str, Any]], lengths: list[int]) -> dict[str, Any]:
+    cold = [run for run in runs if run["phase"] == "cold" and "error" not in run]
+    warm = [run for run in runs if run["phase"] == "warm" and "error" not in run]
+    summary: dict[str, Any] = {
+        "cold_load_seconds": median([run["load_seconds"] for run in cold]),
+        "warm_load_seconds": median([run["load_seconds"] for run in warm]),
+        "prefill_tokens_per_second": {
+            str(length): median([run["prefill_tokens_per_second"][str(length)] for run in warm])
+            for length in lengths
+        },
+        "decode_tokens_per_second": median([run["decode_tokens_per_second"] for run in warm]),
+        "peak_rss_mib": median([run["peak_rss_mib"] for run in warm]),
+        "cold_peak_rss_mib": median([run["peak_rss_mib"] for run in cold]),
+        "successful_runs": {"cold": len(cold), "warm": len(warm)},
+    }
+    errors = sorted({run["error"] for run in runs if "error" in run})
+    if errors:
+        summary["errors"] = errors
+    return summary
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def ratios(summaries: dict[str, dict[str, Any]], lengths: list[int]) -> dict[str, dict[str, Any]]:
+    """ember / reference for every figure (throughputs: higher is better; seconds and RSS: lower is)."""
+    out: dict[str, dict[str, Any]] = {}
+    if "ember" not in summaries:
+        return out
+    ours = summaries["ember"]
+    for reference in ("llama.cpp", "transformers"):
+        if reference not in summaries:
+            continue
+        theirs = summaries[reference]
+        out[f"ember/{reference}"] = {
+            "cold_load_seconds": ratio(ours["cold_load_seconds"], theirs["cold_load_seconds"]),
+            "warm_load_seconds": ratio(ours["warm_load_seconds"], theirs["warm_load_seconds"]),
+            "prefill_tokens_per_second": {
+                str(n): ratio(
+                    ours["prefill_tokens_per_second"][str(n)], theirs["prefill_tokens_per_second"][str(n)]
+                )
+                for n in lengths
+            },
+            "decode_tokens_per_second": ratio(
+                ours["decode_tokens_per_second"], theirs["decode_tokens_per_second"]
+            ),
+            "peak_rss_mib": ratio(ours["peak_rss_mib"], theirs["peak_rss_mib"]),
+        }
+    return out
+
+
+def _cell(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def print_report(report: dict[str, Any]) -> None:
+    lengths = report["prompt_lengths"]
+    engines = list(report["engines"])
+    rows = [
+        ("cold load (s)", lambda s: _cell(s["cold_load_seconds"], 2)),
+        ("warm load (s)", lambda s: _cell(s["warm_load_seconds"], 2)),
+        *[
+            (f"prefill {n} (tok/s)", lambda s, n=n: _cell(s["prefill_tokens_per_second"][str(n)]))
+            for n in lengths
+        ],
+        (f"decode {report['new_tokens']} (tok/s)", lambda s: _cell(s["decode_tokens_per_second"])),
+        ("peak RSS (MiB)", lambda s: _cell(s["peak_rss_mib"], 0)),
+        ("cold-load peak RSS (MiB)", lambda s: _cell(s["cold_peak_rss_mib"], 0)),
+    ]
+    print(
+        f"\n{report['model']} ({Path(report['gguf']).name}), threads={report['threads']}, "
+        f"median of {report['repeats']} repeats, prompt ids from the {report['tokenizer']} tokenizer"
+    )
+    print(f"{'':26}" + "".join(f"{engine:>15}" for engine in engines))
+    for label, cell in rows:
+        print(f"{label:26}" + "".join(f"{cell(report['engines'][engine]):>15}" for engine in engines))
+    for name, values in report["ratios"].items():
+        parts = [f"cold load {_cell(values['cold_load_seconds'], 2)}x"]
+        parts.append(f"warm load {_cell(values['warm_load_seconds'], 2)}x")
+        for n in lengths:
+            value = values["prefill_tokens_per_second"][str(n)]
+            parts.append(f"prefill {n} {_cell(value, 2)}x{_target_mark(name, 'prefill', value)}")
+        value = values["decode_tokens_per_second"]
+        parts.append(f"decode {_cell(value, 2)}x{_target_mark(name, 'decode', value)}")
+        parts.append(f"RSS {_cell(values['peak_rss_mib'], 2)}x")
+        print(f"{name}: " + ", ".join(parts))
+    for engine, summary in report["engines"].items():
+        for error in summary.get("errors", []):
+            print(f"{engine}: {error}")
+    print(f"targets (ember/llama.cpp): prefill >= {TARGETS['prefill']}, decode >= {TARGETS['decode']}")
+
+
+def _target_mark(name: str, figure: str, value: float | None) -> str:
+    if name != "ember/llama.cpp" or value is None:
+        return ""
+    return " (meets target)" if value >= TARGETS[figure] else f" (below target {TARGETS[figure]})"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m", help="model name for ember.sources")
+    parser.add_argument("--gguf", help="use this local GGUF file instead of resolving --model")
+    parser.add_argument("--engines", default=",".join(ENGINES), help="comma-separated subset of: "
+                        + ", ".join(ENGINES))
+    parser.add_argument("--repeats", type=int, default=3, help="processes per engine and phase")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads for every engine")
+    parser.add_argument("--prompt-lengths", default="128,512", help="prefill prompt lengths in tokens")
+    parser.add_argument("--new-tokens", type=int, default=128, help="tokens generated for decode")
+    parser.add_argument("--json", help="write results here (default benchmarks/results/<model>.json)")
+    parser.add_argument("--openblas-env", choices=("inherit", "unset"), default="inherit",
+                        help=f"'unset' removes {' and '.join(OPENBLAS_VARIABLES)} from the workers' env")
+    parser.add_argument("--timeout", type=float, default=1200, help="seconds allowed per worker process")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.worker:
+        run_worker(args.worker)
+        return
+    engines = [engine.strip() for engine in args.engines.split(",") if engine.strip()]
+    unknown = [engine for engine in engines if engine not in ENGINES]
+    if unknown:
+        sys.exit(f"unknown engine(s) {unknown}; choose from {list(ENGINES)}")
+    lengths = sorted(int(length) for length in args.prompt_lengths.split(","))
+    gguf = resolve_gguf(args)
+    tokenizer, prompts = prompt_ids(gguf, lengths)
+    context_length = max(1024, max(lengths) + args.new_tokens)
+
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    if args.openblas_env == "unset":
+        for variable in OPENBLAS_VARIABLES:
+            env.pop(variable, None)
+    base_job = {
+        "gguf": str(gguf),
+        "threads": args.threads,
+        "context_length": context_length,
+        "prompt_lengths": lengths,
+        "prompts": {str(length): ids for length, ids in prompts.items()},
+        "decode_prompt_length": lengths[0],
+        "new_tokens": args.new_tokens,
+    }
+    runs: dict[str, list[dict[str, Any]]] = {engine: [] for engine in engines}
+    load_average_start = os.getloadavg()
+    with tempfile.TemporaryDirectory(prefix="ember-bench-") as workdir:
+        for repeat in range(args.repeats):
+            for engine in engines:
+                cache = Path(workdir) / f"cache-{engine}-{repeat}"
+                cache.mkdir()
+                worker_env = dict(env, EMBER_CACHE=str(cache))
+                for phase in ("cold", "warm"):
+                    job = dict(base_job, engine=engine, phase=phase, repeat=repeat)
+                    result = spawn(job, worker_env, Path(workdir), args.timeout)
+                    result["repeat"] = repeat
+                    runs[engine].append(result)
+                    print(f"[{time.strftime('%H:%M:%S')}] repeat {repeat + 1}/{args.repeats} {engine} "
+                          f"{phase}: {_one_line(result)}", flush=True)
+                shutil.rmtree(cache, ignore_errors=True)
+
+    summaries = {engine: summarise(runs[engine], lengths) for engine in engines}
+    report = {
+        "model": args.model if not args.gguf else Path(args.gguf).name,
+        "gguf": str(gguf),
+        "threads": args.threads,
+        "repeats": args.repeats,
+        "prompt_lengths": lengths,
+        "new_tokens": args.new_tokens,
+        "context_length": context_length,
+        "tokenizer": tokenizer,
+        "prompt_ids": {str(length): ids for length, ids in prompts.items()},
+        "machine": {
+            "cpu_count": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "load_average_start": load_average_start,
+            "load_average_end": os.getloadavg(),
+            "openblas_env": {variable: env.get(variable) for variable in OPENBLAS_VARIABLES},
+            "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        },
+        "targets": TARGETS,
+        "engines": summaries,
+        "ratios": ratios(summaries, lengths),
+        "runs": runs,
+    }
+    print_report(report)
+    json_path = Path(args.json) if args.json else REPO_ROOT / "benchmarks" / "results" / f"{args.model}.json"
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"results written to {json_path}")
+
+
+def _one_line(result: dict[str, Any]) -> str:
+    if "error" in result:
+        return "error: " + result["error"]
+    parts = [f"load {result['load_seconds']:.2f} s"]
+    for length, value in result.get("prefill_tokens_per_second", {}).items():
+        parts.append(f"prefill {length} {value:.1f} tok/s")
+    if result.get("decode_tokens_per_second"):
+        parts.append(f"decode {result['decode_tokens_per_second']:.1f} tok/s")
+    parts.append(f"peak RSS {result['peak_rss_mib']:.0f} MiB")
+    return ", ".join(parts)
+
+
+if __name__ == "__main__":
+    main()
