@@ -142,10 +142,8 @@ class TensorAccess:
         return TensorDType.F32
 
     def values(self) -> np.ndarray:
-        """A read-only view of the activation (observation)."""
-        view = self._checked().view()
-        view.flags.writeable = False
-        return view
+        """A read-only view of the activation (observation); it cannot be made writeable again."""
+        return np.asarray(memoryview(self._checked()).toreadonly())
 
     def values_mut(self) -> np.ndarray:
         """A writable view of the same memory (intervention): writes change everything downstream."""
