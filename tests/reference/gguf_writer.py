@@ -1,0 +1,361 @@
+"""Write a tiny HF `LlamaForCausalLM` / `Qwen3ForCausalLM` as GGUF the way llama.cpp's converter does.
+
+Facts mirrored from llama.cpp's `convert_hf_to_gguf.py` (the copy vendored in llama-cpp-python 0.3.36,
+`conversion/base.py`, `conversion/llama.py`, `conversion/qwen.py`); see also families.md §1–§2:
+
+* tensor names: `token_embd`, `output_norm`, `output` (only when the head is not tied), and per block
+  `attn_norm`, `attn_q`, `attn_k`, `attn_v`, `attn_output`, `attn_q_norm`/`attn_k_norm` (qwen3),
+  `ffn_norm`, `ffn_gate`, `ffn_up`, `ffn_down`;
+* numpy arrays keep PyTorch's (out, in) order; GGUFWriter stores the reversed ne = [in, out];
+* arch `llama` reorders the rows of q_proj (with n_head) and k_proj (with n_head_kv) so that NORM rope
+  on the stored weights equals HF's NEOX rope; arch `qwen3` stores HF weights unchanged;
+* 1-D tensors and `*_norm.weight` are always F32; every other weight takes the file type (F32, F16, Q8_0);
+  a weight whose rows do not split into quantization blocks falls back to F16, as the converter does;
+* Llama-3 rope scaling becomes a generated `rope_freqs.weight` (no scaling keys); linear scaling becomes
+  `rope.scaling.type = "linear"` plus `rope.scaling.factor`;
+* `llama` also gets `vocab_size` and `rope.dimension_count`; `attention.key_length/value_length` are written
+  when the HF config.json carries `head_dim` (always for qwen3; for llama only when head_dim differs from
+  hidden/heads, like a config.json without `head_dim` such as SmolLM2's).
+
+The tokenizer is a small byte-level BPE vocabulary ("gpt2" model): three control tokens, the 256 GPT-2
+byte symbols and a few merges. Tests feed exact token ids, so the vocabulary only has to load.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+
+__all__ = [
+    "TinyVocab",
+    "gguf_arch",
+    "gguf_tensors",
+    "llama3_rope_factors",
+    "load_gguf_weights_into_hf",
+    "permute_rows",
+    "tiny_vocab",
+    "unpermute_rows",
+    "write_gguf",
+]
+
+_FILE_TYPES = {
+    GGMLQuantizationType.F32: gguf.LlamaFileType.ALL_F32,
+    GGMLQuantizationType.F16: gguf.LlamaFileType.MOSTLY_F16,
+    GGMLQuantizationType.Q8_0: gguf.LlamaFileType.MOSTLY_Q8_0,
+}
+
+_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+_GLOBAL_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+
+@dataclass(frozen=True)
+class TinyVocab:
+    tokens: list[str]
+    token_types: list[int]
+    merges: list[str]
+    bos_token_id: int
+    eos_token_id: int
+    pad_token_id: int
+
+    @property
+    def special_ids(self) -> list[int]:
+        return [i for i, t in enumerate(self.token_types) if t == gguf.TokenType.CONTROL]
+
+
+def _byte_symbols() -> list[str]:
+    """GPT-2's byte-to-unicode table: printable Latin-1 bytes stay, the rest map to U+0100 onwards."""
+    printable = set(range(ord("!"), ord("~") + 1))
+    printable |= set(range(ord("¡"), ord("¬") + 1))
+    printable |= set(range(ord("®"), ord("ÿ") + 1))
+    symbols = []
+    shifted = 0
+    for byte in range(256):
+        if byte in printable:
+            symbols.append(chr(byte))
+        else:
+            symbols.append(chr(256 + shifted))
+            shifted += 1
+    return symbols
+
+
+_MERGE_PAIRS = [
+    ("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("e", "r"), ("Ġ", "a"), ("o", "n"), ("r", "e"),
+    ("Ġ", "s"), ("a", "t"), ("e", "n"), ("Ġ", "o"), ("o", "r"), ("Ġ", "w"), ("i", "s"), ("Ġ", "b"),
+]
+
+
+def tiny_vocab() -> TinyVocab:
+    """Control tokens 0-2 (`<|endoftext|>`, `<|im_start|>` = bos, `<|im_end|>` = eos), bytes, merges."""
+    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    types = [int(gguf.TokenType.CONTROL)] * 3
+    tokens += _byte_symbols()
+    merges = []
+    for left, right in _MERGE_PAIRS:
+        merges.append(f"{left} {right}")
+        tokens.append(left + right)
+    types += [int(gguf.TokenType.NORMAL)] * (len(tokens) - len(types))
+    assert len(set(tokens)) == len(tokens)
+    return TinyVocab(tokens, types, merges, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+
+
+# --------------------------------------------------------------------------- tensors
+
+
+def gguf_arch(model: torch.nn.Module) -> str:
+    model_type = model.config.model_type
+    if model_type not in ("llama", "qwen3"):
+        raise ValueError(f"only llama and qwen3 HF models are supported, not {model_type!r}")
+    return model_type
+
+
+def _qk_row_order(rows: int, n_head: int) -> np.ndarray:
+    """GGUF row r takes HF row order[r]: within each head the two halves are interleaved."""
+    head_dim = rows // n_head
+    half = head_dim // 2
+    order = np.empty(rows, dtype=np.int64)
+    for head in range(n_head):
+        for i in range(half):
+            for t in range(2):
+                order[head * head_dim + 2 * i + t] = head * head_dim + t * half + i
+    return order
+
+
+def permute_rows(weight: np.ndarray, n_head: int) -> np.ndarray:
+    """HF q_proj/k_proj rows (NEOX halves) to the GGUF `llama` layout (NORM adjacent pairs)."""
+    return weight[_qk_row_order(weight.shape[0], n_head)]
+
+
+def unpermute_rows(weight: np.ndarray, n_head: int) -> np.ndarray:
+    """Inverse of `permute_rows`."""
+    out = np.empty_like(weight)
+    out[_qk_row_order(weight.shape[0], n_head)] = weight
+    return out
+
+
+def _rope_parameters(config) -> dict:
+    params = getattr(config, "rope_parameters", None) or {}
+    return dict(params.get("full_attention", params))
+
+
+def _head_dim(config) -> int:
+    head_dim = getattr(config, "head_dim", None)
+    return int(head_dim) if head_dim else config.hidden_size // config.num_attention_heads
+
+
+def llama3_rope_factors(config) -> np.ndarray | None:
+    """The converter's generated `rope_freqs.weight` for HF rope_type "llama3", else None."""
+    params = _rope_parameters(config)
+    if str(params.get("rope_type", "")).lower() != "llama3":
+        return None
+    base = float(params.get("rope_theta", 10000.0))
+    dim = _head_dim(config)
+    factor = float(params.get("factor", 8.0))
+    low = float(params.get("low_freq_factor", 1.0))
+    high = float(params.get("high_freq_factor", 4.0))
+    old_context = float(params.get("original_max_position_embeddings", 8192))
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factors = []
+    for freq in inv_freq.tolist():
+        wavelength = 2 * math.pi / freq
+        if wavelength < old_context / high:
+            factors.append(1.0)
+        elif wavelength > old_context / low:
+            factors.append(factor)
+        else:
+            smooth = (old_context / wavelength - low) / (high - low)
+            factors.append(1.0 / ((1.0 - smooth) / factor + smooth))
+    return np.asarray(factors, dtype=np.float32)
+
+
+def _gguf_name(hf_name: str) -> str:
+    if hf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[hf_name]
+    parts = hf_name.split(".")
+    if parts[:2] == ["model", "layers"] and parts[2].isdecimal():
+        suffix = ".".join(parts[3:])
+        if suffix in _LAYER_NAMES:
+            return f"blk.{parts[2]}.{_LAYER_NAMES[suffix]}"
+    raise ValueError(f"no GGUF name for HF tensor {hf_name!r}")
+
+
+def gguf_tensors(model: torch.nn.Module) -> Iterator[tuple[str, np.ndarray]]:
+    """(GGUF name, float32 numpy array in the GGUF layout) in the converter's order."""
+    arch = gguf_arch(model)
+    config = model.config
+    factors = llama3_rope_factors(config) if arch == "llama" else None
+    if factors is not None:
+        yield "rope_freqs.weight", factors
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    for hf_name, tensor in model.state_dict().items():
+        if hf_name.endswith("rotary_emb.inv_freq") or (tied and hf_name == "lm_head.weight"):
+            continue
+        data = tensor.detach().to(torch.float32).cpu().numpy()
+        if arch == "llama" and hf_name.endswith("self_attn.q_proj.weight"):
+            data = permute_rows(data, config.num_attention_heads)
+        elif arch == "llama" and hf_name.endswith("self_attn.k_proj.weight"):
+            data = permute_rows(data, config.num_key_value_heads)
+        yield _gguf_name(hf_name), np.ascontiguousarray(data)
+
+
+def _tensor_type(name: str, data: np.ndarray, qtype: GGMLQuantizationType) -> GGMLQuantizationType:
+    if data.ndim <= 1 or name.endswith("_norm.weight"):
+        return GGMLQuantizationType.F32
+    if qtype in gguf.GGML_QUANT_SIZES and qtype not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+        block = gguf.GGML_QUANT_SIZES[qtype][0]
+        if data.shape[-1] % block:
+            return GGMLQuantizationType.F16
+    return qtype
+
+
+# --------------------------------------------------------------------------- metadata
+
+
+def _write_metadata(writer: gguf.GGUFWriter, model: torch.nn.Module, qtype: GGMLQuantizationType,
+                    vocab: TinyVocab, pre: str, name: str) -> None:
+    arch = gguf_arch(model)
+    config = model.config
+    writer.add_type(gguf.GGUFType.MODEL)
+    writer.add_name(name)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    params = _rope_parameters(config)
+    if params.get("rope_type") == "linear" and params.get("factor") is not None:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(float(params["factor"]))
+    elif params.get("rope_type") not in (None, "default", "llama3"):
+        raise ValueError(f"rope_type {params.get('rope_type')!r} is not written by this helper")
+    if params.get("rope_theta") is not None:
+        writer.add_rope_freq_base(float(params["rope_theta"]))
+    writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
+    head_dim = _head_dim(config)
+    if arch == "qwen3" or head_dim != config.hidden_size // config.num_attention_heads:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    writer.add_file_type(int(_FILE_TYPES[qtype]))
+    if arch == "llama":
+        writer.add_vocab_size(config.vocab_size)
+        writer.add_rope_dimension_count(head_dim)
+
+    if len(vocab.tokens) != config.vocab_size:
+        raise ValueError(f"vocabulary has {len(vocab.tokens)} tokens, the model {config.vocab_size}")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(vocab.tokens)
+    writer.add_token_types(vocab.token_types)
+    writer.add_token_merges(vocab.merges)
+    writer.add_bos_token_id(vocab.bos_token_id)
+    writer.add_eos_token_id(vocab.eos_token_id)
+    writer.add_pad_token_id(vocab.pad_token_id)
+    writer.add_add_bos_token(False)
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+
+def write_gguf(model: torch.nn.Module, path: str | Path, *,
+               qtype: GGMLQuantizationType = GGMLQuantizationType.F32,
+               vocab: TinyVocab | None = None, pre: str | None = None,
+               name: str | None = None) -> Path:
+    """Write `model` (a tiny float32 LlamaForCausalLM / Qwen3ForCausalLM) to `path` as GGUF."""
+    if qtype not in _FILE_TYPES:
+        raise ValueError(f"file type {qtype!r} is not one the converter writes here")
+    arch = gguf_arch(model)
+    vocab = vocab or tiny_vocab()
+    pre = pre or ("smollm" if arch == "llama" else "qwen2")
+    path = Path(path)
+    writer = gguf.GGUFWriter(path, arch)
+    _write_metadata(writer, model, qtype, vocab, pre, name or f"tiny-random-{arch}")
+    for tensor_name, data in gguf_tensors(model):
+        tensor_type = _tensor_type(tensor_name, data, qtype)
+        if tensor_type == GGMLQuantizationType.F32:
+            writer.add_tensor(tensor_name, data.astype(np.float32), raw_dtype=tensor_type)
+        elif tensor_type == GGMLQuantizationType.F16:
+            writer.add_tensor(tensor_name, data.astype(np.float16), raw_dtype=tensor_type)
+        else:
+            writer.add_tensor(tensor_name, gguf.quants.quantize(data, tensor_type), raw_dtype=tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+# --------------------------------------------------------------------------- reading back
+
+
+def _hf_name(gguf_name: str) -> str:
+    for hf_name, name in _GLOBAL_NAMES.items():
+        if name == gguf_name:
+            return hf_name
+    parts = gguf_name.split(".")
+    suffix = ".".join(parts[2:])
+    for hf_suffix, name in _LAYER_NAMES.items():
+        if name == suffix:
+            return f"model.layers.{parts[1]}.{hf_suffix}"
+    raise ValueError(f"no HF name for GGUF tensor {gguf_name!r}")
+
+
+def load_gguf_weights_into_hf(model: torch.nn.Module, path: str | Path) -> list[str]:
+    """Dequantize every tensor of `path`, undo the llama Q/K permutation and copy it into `model`.
+
+    Used to give HF exactly the weights ember reads from an F16/Q8_0 file. Every HF parameter must be
+    covered (the tied LM head through the embedding). Returns the GGUF tensor names that were loaded.
+    """
+    arch = gguf_arch(model)
+    config = model.config
+    reader = gguf.GGUFReader(path)
+    state = model.state_dict()
+    covered = set()
+    loaded = []
+    with torch.no_grad():
+        for tensor in reader.tensors:
+            if tensor.name == "rope_freqs.weight":
+                continue
+            data = gguf.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
+            hf_name = _hf_name(tensor.name)
+            if arch == "llama" and hf_name.endswith("self_attn.q_proj.weight"):
+                data = unpermute_rows(data, config.num_attention_heads)
+            elif arch == "llama" and hf_name.endswith("self_attn.k_proj.weight"):
+                data = unpermute_rows(data, config.num_key_value_heads)
+            target = state[hf_name]
+            if tuple(target.shape) != data.shape:
+                raise ValueError(f"{tensor.name}: shape {data.shape} does not fit "
+                                 f"{hf_name} {tuple(target.shape)}")
+            target.copy_(torch.from_numpy(np.ascontiguousarray(data)))
+            covered.add(hf_name)
+            loaded.append(tensor.name)
+    if getattr(config, "tie_word_embeddings", False):
+        covered.add("lm_head.weight")
+    missing = sorted(set(state) - covered - {n for n in state if n.endswith("inv_freq")})
+    if missing:
+        raise ValueError(f"GGUF {path} does not cover HF parameters {missing}")
+    return loaded

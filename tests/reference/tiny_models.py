@@ -1,0 +1,94 @@
+"""Tiny random HF models (float32, eager attention) for the fidelity tests.
+
+Weights are redrawn so activations are of order one everywhere (HF's 0.02 init makes them vanish) and
+norm weights are random too, so a forward pass that skips or misplaces a norm weight is caught.
+The LM-head rows of the control tokens are zeroed so greedy decoding never stops on an end token.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from .gguf_writer import tiny_vocab
+
+__all__ = ["randomize", "tiny_llama", "tiny_qwen3"]
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 10000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    # small, so that with head_dim 16 the factors hit all three branches (1, smooth, factor)
+    "original_max_position_embeddings": 64,
+}
+
+
+def randomize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Redraw every parameter: linear/embedding N(0, 1/in), norm weights U(0.5, 1.5)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.ndim == 1:
+                param.copy_(0.5 + torch.rand(param.shape, generator=generator))
+            elif name.endswith("embed_tokens.weight"):
+                param.copy_(torch.randn(param.shape, generator=generator))
+            else:
+                fan_in = param.shape[1]
+                param.copy_(torch.randn(param.shape, generator=generator) / fan_in**0.5)
+        special = tiny_vocab().special_ids
+        model.get_output_embeddings().weight[special] = 0.0
+    return model
+
+
+def _finish(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    model = model.to(torch.float32)
+    randomize(model, seed)
+    model.eval()
+    return model
+
+
+def tiny_llama(*, rope_parameters: dict | None = None, tie_word_embeddings: bool = False,
+               seed: int = 0) -> LlamaForCausalLM:
+    """3 layers, hidden 64, 4 query heads over 2 KV heads (GQA), head_dim 16."""
+    config = LlamaConfig(
+        vocab_size=len(tiny_vocab().tokens),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        rope_parameters=rope_parameters or {"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        attn_implementation="eager",
+    )
+    return _finish(LlamaForCausalLM(config), seed)
+
+
+def tiny_qwen3(*, tie_word_embeddings: bool = True, seed: int = 0) -> Qwen3ForCausalLM:
+    """3 layers, hidden 64, 4 query heads over 2 KV heads, head_dim 32 (not 64/4), QK-norm, tied head."""
+    config = Qwen3Config(
+        vocab_size=len(tiny_vocab().tokens),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        tie_word_embeddings=tie_word_embeddings,
+        use_sliding_window=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        attn_implementation="eager",
+    )
+    return _finish(Qwen3ForCausalLM(config), seed)
