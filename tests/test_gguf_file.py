@@ -447,3 +447,50 @@ def test_not_a_file(tmp_path):
     empty.write_bytes(b"")
     with pytest.raises(GGUFError, match="only 0 bytes"):
         GGUFFile.open(empty)
+
+
+# ---------------------------------------------------------------------- the real SmolLM2 file
+
+
+def test_smollm2_file_matches_gguf_reader(smollm2_path):
+    import time
+
+    start = time.perf_counter()
+    f = GGUFFile.open(smollm2_path)
+    elapsed = time.perf_counter() - start
+    assert elapsed < 1.0, f"opening SmolLM2 took {elapsed:.2f} s"
+
+    assert f.architecture == "llama" and f.version == 3
+    assert f.require("llama.block_count") == 30
+    assert f.require("llama.embedding_length") == 576
+    assert len(f.require("tokenizer.ggml.tokens")) == 49152
+    assert len(f.require("tokenizer.ggml.merges")) == 48900
+    assert f.require("tokenizer.ggml.token_type").dtype == np.int32
+    embd = f.tensor("token_embd.weight")
+    assert embd.shape == (49152, 576) and embd.ggml_type == Q.Q8_0
+    assert f.tensor("blk.0.attn_q.weight").shape == (576, 576)
+    assert f.tensor("blk.0.attn_k.weight").shape == (192, 576)
+    assert f.tensor("blk.0.ffn_down.weight").shape == (576, 1536)
+    assert f.quantization_mix() == {"Q4_1": 210, "F32": 61, "Q8_0": 1}
+    assert len(f.tensors) == 272
+
+    reader = gguf.GGUFReader(smollm2_path)
+    fields = {k: v for k, v in reader.fields.items() if not k.startswith("GGUF.")}
+    assert set(fields) == set(f.metadata)
+    for key, field in fields.items():
+        ours = f.metadata[key]
+        assert (ours.tolist() if isinstance(ours, np.ndarray) else ours) == field.contents(), key
+    assert [t.name for t in reader.tensors] == list(f.tensors)
+    for t in reader.tensors:
+        info = f.tensors[t.name]
+        assert info.shape == tuple(int(d) for d in reversed(t.shape)), t.name
+        assert (info.ggml_type, info.offset, info.nbytes) == (t.tensor_type, t.data_offset, t.n_bytes)
+    by_name = {t.name: t for t in reader.tensors}
+    for name in ["token_embd.weight", "blk.0.attn_q.weight", "blk.29.ffn_down.weight", "output_norm.weight"]:
+        reference = gguf.quants.dequantize(by_name[name].data, by_name[name].tensor_type)
+        np.testing.assert_array_equal(f.dequantize(name), reference)
+    rows = np.array([1, 2, 49151, 100])
+    np.testing.assert_array_equal(
+        f.dequantize_rows("token_embd.weight", rows),
+        gguf.quants.dequantize(by_name["token_embd.weight"].data[rows], Q.Q8_0),
+    )
