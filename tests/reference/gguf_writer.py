@@ -205,8 +205,12 @@ def _gguf_name(hf_name: str) -> str:
     raise ValueError(f"no GGUF name for HF tensor {hf_name!r}")
 
 
-def gguf_tensors(model: torch.nn.Module) -> Iterator[tuple[str, np.ndarray]]:
-    """(GGUF name, float32 numpy array in the GGUF layout) in the converter's order."""
+def gguf_tensors(model: torch.nn.Module, *, permute_qk: bool = True) -> Iterator[tuple[str, np.ndarray]]:
+    """(GGUF name, float32 numpy array in the GGUF layout) in the converter's order.
+
+    `permute_qk=False` skips the llama Q/K row permutation: a deliberately wrong file, for tests that
+    show the permutation matters.
+    """
     arch = gguf_arch(model)
     config = model.config
     factors = llama3_rope_factors(config) if arch == "llama" else None
@@ -217,9 +221,9 @@ def gguf_tensors(model: torch.nn.Module) -> Iterator[tuple[str, np.ndarray]]:
         if hf_name.endswith("rotary_emb.inv_freq") or (tied and hf_name == "lm_head.weight"):
             continue
         data = tensor.detach().to(torch.float32).cpu().numpy()
-        if arch == "llama" and hf_name.endswith("self_attn.q_proj.weight"):
+        if arch == "llama" and permute_qk and hf_name.endswith("self_attn.q_proj.weight"):
             data = permute_rows(data, config.num_attention_heads)
-        elif arch == "llama" and hf_name.endswith("self_attn.k_proj.weight"):
+        elif arch == "llama" and permute_qk and hf_name.endswith("self_attn.k_proj.weight"):
             data = permute_rows(data, config.num_key_value_heads)
         yield _gguf_name(hf_name), np.ascontiguousarray(data)
 
@@ -284,8 +288,10 @@ def _write_metadata(writer: gguf.GGUFWriter, model: torch.nn.Module, qtype: GGML
 def write_gguf(model: torch.nn.Module, path: str | Path, *,
                qtype: GGMLQuantizationType = GGMLQuantizationType.F32,
                vocab: TinyVocab | None = None, pre: str | None = None,
-               name: str | None = None) -> Path:
-    """Write `model` (a tiny float32 LlamaForCausalLM / Qwen3ForCausalLM) to `path` as GGUF."""
+               name: str | None = None, permute_qk: bool = True) -> Path:
+    """Write `model` (a tiny float32 LlamaForCausalLM / Qwen3ForCausalLM) to `path` as GGUF.
+
+    `permute_qk=False` writes a deliberately wrong llama file (see `gguf_tensors`)."""
     if qtype not in _FILE_TYPES:
         raise ValueError(f"file type {qtype!r} is not one the converter writes here")
     arch = gguf_arch(model)
@@ -294,7 +300,7 @@ def write_gguf(model: torch.nn.Module, path: str | Path, *,
     path = Path(path)
     writer = gguf.GGUFWriter(path, arch)
     _write_metadata(writer, model, qtype, vocab, pre, name or f"tiny-random-{arch}")
-    for tensor_name, data in gguf_tensors(model):
+    for tensor_name, data in gguf_tensors(model, permute_qk=permute_qk):
         tensor_type = _tensor_type(tensor_name, data, qtype)
         if tensor_type == GGMLQuantizationType.F32:
             writer.add_tensor(tensor_name, data.astype(np.float32), raw_dtype=tensor_type)

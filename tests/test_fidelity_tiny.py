@@ -1,0 +1,96 @@
+"""ember against transformers on tiny random `llama` and `qwen3` models, boundary by boundary.
+
+Each case builds an HF model (float32, eager attention, random weights and norm weights), writes it as
+GGUF the way llama.cpp's converter does (tests/reference/gguf_writer.py), loads that file in ember and
+greedy-generates through a recording Experiment: one prefill over the prompt, then DECODE_STEPS
+single-token decode steps. HF then runs the same tokens (prompt, then ember's generated tokens one at a
+time against its KV cache) with forward hooks. For F16/Q8_0 files HF gets the same dequantized weights.
+
+Compared per evaluation and layer: the residual entering the layer, the attention output and the MLP
+output (both before the residual add), the layer output; then the final-norm hidden state and the logits
+of the evaluation's last token. Relative error of a tensor = max |ember − hf| / max |hf| over the whole
+tensor; every one must be ≤ 1e-4.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import gguf  # noqa: E402
+from reference.compare import compare_evaluations, relative_error  # noqa: E402
+from reference.ember_recorder import record_generation  # noqa: E402
+from reference.gguf_writer import load_gguf_weights_into_hf, write_gguf  # noqa: E402
+from reference.hf_capture import capture  # noqa: E402
+from reference.tiny_models import LLAMA3_ROPE, tiny_llama, tiny_qwen3  # noqa: E402
+
+import ember  # noqa: E402
+
+pytestmark = pytest.mark.reference
+
+TOLERANCE = 1e-4
+DECODE_STEPS = 6
+PROMPT = [40, 71, 100, 33, 259, 120, 87, 66, 200, 5, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 262, 270]
+LINEAR_ROPE = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}
+F32, F16, Q8_0 = gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.Q8_0
+
+CASES = {
+    # GQA (4 query heads on 2 KV heads), llama3 rope scaling as rope_freqs, separate LM head
+    "llama-rope_freqs": (lambda: tiny_llama(rope_parameters=LLAMA3_ROPE), F32),
+    # linear rope scaling, tied LM head
+    "llama-linear_rope": (lambda: tiny_llama(rope_parameters=LINEAR_ROPE, tie_word_embeddings=True), F32),
+    # QK-norm, NEOX rope, head_dim 32 ≠ 64/4, tied LM head
+    "qwen3": (lambda: tiny_qwen3(), F32),
+    # dequantization paths: HF gets the dequantized weights read back from the file
+    "llama-rope_freqs-q8_0": (lambda: tiny_llama(rope_parameters=LLAMA3_ROPE), Q8_0),
+    "qwen3-f16": (lambda: tiny_qwen3(tie_word_embeddings=False), F16),
+}
+
+
+def _run_case(case: str, tmp_path):
+    build, qtype = CASES[case]
+    hf_model = build()
+    path = write_gguf(hf_model, tmp_path / f"{case}.gguf", qtype=qtype)
+    if qtype != F32:
+        load_gguf_weights_into_hf(hf_model, path)
+    model = ember.load_model(path, weight_cache=False)
+    ours, generated = record_generation(model, PROMPT, DECODE_STEPS)
+    reference = capture(hf_model, PROMPT, generated[:DECODE_STEPS])
+    return ours, reference, generated
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_every_boundary_matches_transformers(case, tmp_path):
+    ours, reference, _ = _run_case(case, tmp_path)
+    worst = compare_evaluations(ours, reference)
+    report = "\n".join(f"  {case} {w}" for w in worst.values())
+    print(f"\n{report}")
+    failures = [str(w) for w in worst.values() if not w.relative <= TOLERANCE]
+    assert not failures, f"{case}: relative error above {TOLERANCE}:\n" + "\n".join(failures)
+
+
+@pytest.mark.parametrize(("case", "unscaled_rope"), [
+    ("llama-rope_freqs", {"rope_type": "default", "rope_theta": 10000.0}),
+    ("llama-linear_rope", {"rope_type": "default", "rope_theta": 10000.0}),
+])
+def test_rope_scaling_is_visible_at_these_positions(case, unscaled_rope, tmp_path):
+    """The comparison above would catch an engine that ignored the rope scaling."""
+    ours, _, generated = _run_case(case, tmp_path)
+    tied = case == "llama-linear_rope"
+    unscaled = capture(tiny_llama(rope_parameters=unscaled_rope, tie_word_embeddings=tied), PROMPT,
+                       generated[:DECODE_STEPS])
+    errors = [relative_error(a.logits, b.logits[-1:])[0] for a, b in zip(ours, unscaled, strict=True)]
+    assert max(errors) > 100 * TOLERANCE
+
+
+def test_llama_qk_permutation_is_needed(tmp_path):
+    """A llama file written without the converter's Q/K row permutation does not match HF: the test
+    above would catch an engine whose rope layout disagreed with the permutation."""
+    hf_model = tiny_llama(rope_parameters=LLAMA3_ROPE)
+    path = write_gguf(hf_model, tmp_path / "unpermuted.gguf", permute_qk=False)
+    ours, generated = record_generation(ember.load_model(path, weight_cache=False), PROMPT, DECODE_STEPS)
+    reference = capture(hf_model, PROMPT, generated[:DECODE_STEPS])
+    assert relative_error(ours[0].before_layer[0], reference[0].before_layer[0])[0] <= TOLERANCE
+    assert relative_error(ours[0].after_attention[0], reference[0].after_attention[0])[0] > 100 * TOLERANCE
