@@ -1,0 +1,1 @@
+"""Researchers' own experiments, loaded by the runner through `_target_: experiments.<module>.<Class>`."""
