@@ -34,7 +34,7 @@ def test_public_names() -> None:
         "ExperimentResult", "ActivationStats", "ZeroLayerOutput", "BUILTIN_EXPERIMENTS",
     ]:
         assert hasattr(ex, name), name
-    assert [m.name for m in ModelFamily] == ["LLAMA", "QWEN3", "GEMMA4"]
+    assert [m.name for m in ModelFamily] == ["LLAMA", "QWEN3", "GEMMA3", "GEMMA4"]
     assert [m.name for m in ExecutionPhase] == ["PREFILL", "DECODE"]
     assert [m.name for m in TracingState] == ["DISABLED", "ENABLED"]
     assert [m.name for m in TensorDType] == ["F32"]

@@ -19,6 +19,7 @@ from ember.experiments.failure import ExperimentError
 class ModelFamily(Enum):
     LLAMA = "llama"
     QWEN3 = "qwen3"
+    GEMMA3 = "gemma3"
     GEMMA4 = "gemma4"
 
 

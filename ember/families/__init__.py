@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ember.config import ModelConfig
-from ember.families import llama
+from ember.families import gemma3, llama
 from ember.gguf_file import GGUFFile
 from ember.weights import WeightStore
 
@@ -25,4 +25,5 @@ def _llama_forward(config: ModelConfig, store: WeightStore, context_length: int)
 FAMILIES: dict[str, Family] = {
     "llama": Family(llama.build_config, _llama_forward),
     "qwen3": Family(llama.build_config, _llama_forward),
+    "gemma3": Family(gemma3.build_config, gemma3.build_forward),
 }

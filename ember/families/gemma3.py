@@ -1,0 +1,301 @@
+"""Gemma 3 (GGUF architecture `gemma3`), families.md §4 (the block skeleton of §3.6).
+
+The file's norm weights already hold 1 + w (llama.cpp's converter adds 1), so every norm multiplies by
+the stored value. Layer l is sliding or full (`attention.sliding_window_pattern`, default 6: layer l
+slides iff l % 6 < 5); sliding layers see the last `sliding_window` positions and use rope base
+`rope.freq_base_swa` (default 10000) without scaling, full layers use `rope.freq_base` and the linear
+rope factor if the file has one.
+
+Input rows: h = E[token] · √H (the scale in float32). Per layer l, on rows h [T, H]:
+    x = RMSNorm(h, attn_norm)
+    q, k, v = x Wqᵀ, x Wkᵀ, x Wvᵀ
+    q, k = RMSNorm per head (attn_q_norm, attn_k_norm), then NEOX rope (base of l's layer type)
+    o = attention(q, k, v; scale 1/√head_dim, causal, window on sliding layers) Woᵀ
+    a = RMSNorm(o, post_attention_norm)                          → after_attention (before the residual add)
+    h = h + a
+    y = RMSNorm(h, ffn_norm)
+    m = RMSNorm((gelu_tanh(y Wgᵀ) ⊙ y Wuᵀ) Wdᵀ, post_ffw_norm)   → after_mlp (before the residual add)
+    h = h + m                                                    → after_layer
+z = RMSNorm(h[last], output_norm)                                → before_logits
+logits = z Eᵀ (tied); c·tanh(logits / c) only if the file has final_logit_softcapping c   → after_logits
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ember.config import MetadataReader, ModelConfig, RopeLayout
+from ember.errors import GGUFError
+from ember.experiments.context import ExecutionPhase, ModelFamily
+from ember.gguf_file import GGUFFile
+from ember.kv_cache import LayeredKVCache
+from ember.ops import apply_rope, attention, gelu_tanh_inplace, linear, rms_norm, rope_tables
+from ember.weights import WeightStore
+
+DEFAULT_SLIDING_PATTERN = 6  # llama.cpp's default for gemma3: five sliding layers, then one full
+DEFAULT_ROPE_BASE_SWA = 10000.0
+LAYER_COUNT_27B = 62  # llama.cpp scales Gemma 3 27B's queries by 1/√(H / n_head) instead of 1/√head_dim
+
+
+@dataclass(frozen=True, slots=True)
+class Gemma3Config(ModelConfig):
+    """`rope_base`/`rope_linear_factor` of the base class apply to full-attention layers only."""
+
+    sliding_window: int  # positions a sliding layer sees, the current one included; 0: no sliding layers
+    sliding_layers: tuple[bool, ...]  # per layer: True if it uses the sliding window
+    rope_base_swa: float  # rope base of the sliding layers (never scaled)
+    attention_scale: float  # multiplies q·k (HF: query_pre_attn_scalar^−½)
+    embedding_scale: float  # √H, as a float32 value
+    final_logit_softcap: float  # 0.0: no softcap
+
+
+def sliding_pattern(meta: MetadataReader, layer_count: int, window: int) -> tuple[bool, ...]:
+    """Which layers slide, the way llama.cpp reads it (`load_swa_pattern`, `set_swa_pattern`)."""
+    if window <= 0:
+        return (False,) * layer_count
+    pattern = meta.raw("attention.sliding_window_pattern", DEFAULT_SLIDING_PATTERN)
+    if np.ndim(pattern) == 1:
+        flags = tuple(bool(v) for v in pattern)
+        if len(flags) != layer_count:
+            raise GGUFError(
+                f"{meta.gguf.path}: metadata 'gemma3.attention.sliding_window_pattern' has {len(flags)} "
+                f"entries, expected one per layer ({layer_count})"
+            )
+        return flags
+    period = int(pattern)
+    # period n: layer l slides iff l % n < n − 1 (the last of every n layers is full); 0: all slide
+    return tuple(period == 0 or layer % period < period - 1 for layer in range(layer_count))
+
+
+def build_config(gguf: GGUFFile) -> Gemma3Config:
+    meta = MetadataReader(gguf)
+    hidden_size = meta.int("embedding_length")
+    layer_count = meta.int("block_count")
+    head_count = meta.int("attention.head_count")
+    head_dim = meta.int("attention.key_length", hidden_size // head_count)
+    value_dim = meta.int("attention.value_length", head_dim)
+    if value_dim != head_dim:
+        raise GGUFError(f"{gguf.path}: key_length {head_dim} != value_length {value_dim} is not supported")
+    linear_factor = 1.0
+    scaling_type = meta.raw("rope.scaling.type", "linear")
+    factor = meta.raw("rope.scaling.factor", meta.raw("rope.scale_linear"))
+    if factor and float(factor) != 1.0:
+        if scaling_type != "linear":
+            raise GGUFError(f"{gguf.path}: rope scaling type '{scaling_type}' is not supported (only linear)")
+        linear_factor = float(factor)
+    window = meta.int("attention.sliding_window", 0)
+    if layer_count == LAYER_COUNT_27B:
+        query_scalar = hidden_size // head_count
+    else:
+        query_scalar = head_dim
+    tokens = gguf.metadata.get("tokenizer.ggml.tokens")
+    return Gemma3Config(
+        architecture=gguf.architecture,
+        family=ModelFamily.GEMMA3,
+        name=str(gguf.metadata.get("general.name", gguf.path.stem)),
+        layer_count=layer_count,
+        hidden_size=hidden_size,
+        head_count=head_count,
+        head_count_kv=meta.int("attention.head_count_kv", head_count),
+        head_dim=head_dim,
+        feed_forward_length=meta.int("feed_forward_length"),
+        vocab_size=meta.int("vocab_size", len(tokens) if tokens is not None else None),
+        context_length=meta.int("context_length"),
+        rms_norm_eps=meta.float("attention.layer_norm_rms_epsilon"),
+        rope_base=meta.float("rope.freq_base", 10000.0),
+        rope_dim=meta.int("rope.dimension_count", head_dim),
+        rope_layout=RopeLayout.NEOX,
+        rope_linear_factor=linear_factor,
+        has_qk_norm=True,
+        tied_embeddings="output.weight" not in gguf.tensors,
+        sliding_window=max(window, 0),
+        sliding_layers=sliding_pattern(meta, layer_count, window),
+        rope_base_swa=meta.float("rope.freq_base_swa", DEFAULT_ROPE_BASE_SWA),
+        attention_scale=1.0 / math.sqrt(query_scalar),
+        embedding_scale=float(np.float32(math.sqrt(hidden_size))),
+        final_logit_softcap=meta.float("final_logit_softcapping", 0.0),
+    )
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    attn_norm: np.ndarray
+    qkv: np.ndarray  # [q rows; k rows; v rows] fused into one (out, H) matrix
+    q_norm: np.ndarray
+    k_norm: np.ndarray
+    attn_output: np.ndarray
+    post_attention_norm: np.ndarray
+    ffn_norm: np.ndarray
+    gate_up: np.ndarray  # [gate rows; up rows] fused
+    ffn_down: np.ndarray
+    post_ffw_norm: np.ndarray
+
+
+@dataclass(slots=True)
+class Weights:
+    token_embd: np.ndarray  # [V, H], also the LM head when tied
+    output_norm: np.ndarray
+    output: np.ndarray
+    layers: list[LayerWeights]
+
+
+def load_weights(store: WeightStore, config: Gemma3Config) -> Weights:
+    def fused(*names: str) -> np.ndarray:
+        return np.ascontiguousarray(np.concatenate([store.matrix(n) for n in names], axis=0))
+
+    layers = []
+    for i in range(config.layer_count):
+        block = f"blk.{i}."
+        layers.append(LayerWeights(
+            attn_norm=store.vector(block + "attn_norm.weight"),
+            qkv=fused(block + "attn_q.weight", block + "attn_k.weight", block + "attn_v.weight"),
+            q_norm=store.vector(block + "attn_q_norm.weight"),
+            k_norm=store.vector(block + "attn_k_norm.weight"),
+            attn_output=store.matrix(block + "attn_output.weight"),
+            post_attention_norm=store.vector(block + "post_attention_norm.weight"),
+            ffn_norm=store.vector(block + "ffn_norm.weight"),
+            gate_up=fused(block + "ffn_gate.weight", block + "ffn_up.weight"),
+            ffn_down=store.matrix(block + "ffn_down.weight"),
+            post_ffw_norm=store.vector(block + "post_ffw_norm.weight"),
+        ))
+    embedding = store.matrix("token_embd.weight")
+    return Weights(
+        token_embd=embedding,
+        output_norm=store.vector("output_norm.weight"),
+        output=embedding if config.tied_embeddings else store.matrix("output.weight"),
+        layers=layers,
+    )
+
+
+class Workspace:
+    """Activation buffers for an evaluation of `rows` tokens; decode keeps one for rows = 1."""
+
+    def __init__(self, config: Gemma3Config, rows: int, max_keys: int) -> None:
+        H, F, hd = config.hidden_size, config.feed_forward_length, config.head_dim
+        q_width, kv_width = config.head_count * hd, config.head_count_kv * hd
+        f32 = np.float32
+        self.rows = rows
+        self.hidden = np.zeros((rows, H), f32)
+        self.normed = np.zeros((rows, H), f32)
+        self.row_scratch = np.zeros((rows, 1), f32)
+        self.qkv = np.zeros((rows, q_width + 2 * kv_width), f32)
+        self.head_scratch = np.zeros((rows, config.head_count, 1), f32)
+        self.rope_a = np.zeros((rows, config.head_count, config.rope_dim // 2), f32)
+        self.rope_b = np.zeros_like(self.rope_a)
+        self.attention_heads = np.zeros((rows, q_width), f32)
+        self.attention_output = np.zeros((rows, H), f32)
+        self.gate_up = np.zeros((rows, 2 * F), f32)
+        self.mlp_scratch = np.zeros((rows, F), f32)
+        self.mlp_output = np.zeros((rows, H), f32)
+        group = config.head_count // config.head_count_kv
+        self.score_buffer = np.zeros(config.head_count * max_keys, f32) if rows == 1 else None
+        self.score_scratch = np.zeros((config.head_count_kv, group, 1), f32) if rows == 1 else None
+        self.final_normed = np.zeros((1, H), f32)
+        self.final_row_scratch = np.zeros((1, 1), f32)
+        self.logits = np.zeros((1, config.vocab_size), f32)
+
+
+class Gemma3Forward:
+    """The forward pass of one loaded gemma3 model."""
+
+    def __init__(self, config: Gemma3Config, weights: Weights, context_length: int) -> None:
+        self.config = config
+        self.weights = weights
+        full = rope_tables(config.rope_dim, config.rope_base, context_length,
+                           linear_factor=config.rope_linear_factor)
+        sliding = rope_tables(config.rope_dim, config.rope_base_swa, context_length)
+        # per layer: (cos, sin) of its layer type, and the window it attends over (0: everything)
+        self.layer_rope = [sliding if slides else full for slides in config.sliding_layers]
+        self.layer_window = [config.sliding_window if slides else 0 for slides in config.sliding_layers]
+
+    def new_cache(self, context_length: int) -> LayeredKVCache:
+        c = self.config
+        return LayeredKVCache.build(context_length, [(c.head_count_kv, c.head_dim, window)
+                                                     for window in self.layer_window])
+
+    def new_workspace(self, rows: int, max_keys: int) -> Workspace:
+        return Workspace(self.config, rows, max_keys)
+
+    def forward(self, token_ids: np.ndarray, start_position: int, cache: LayeredKVCache, ws: Workspace,
+                hooks, phase: ExecutionPhase, *, all_logits: bool = False) -> np.ndarray:
+        """Evaluate token_ids at positions start_position…; return logits of the last row
+        ([1, V], a workspace view) or of every row ([T, V], new) when all_logits."""
+        c, w = self.config, self.weights
+        T = len(token_ids)
+        hd, n_head, n_kv, eps = c.head_dim, c.head_count, c.head_count_kv, c.rms_norm_eps
+        q_width, kv_width = n_head * hd, n_kv * hd
+        positions = slice(start_position, start_position + T)
+        hooks.begin_evaluation(phase, start_position, T)
+
+        hidden = ws.hidden
+        np.take(w.token_embd, token_ids, axis=0, out=hidden)
+        hidden *= np.float32(c.embedding_scale)
+        for i, layer in enumerate(w.layers):
+            hooks.before_layer(i, hidden)
+
+            x = rms_norm(hidden, layer.attn_norm, eps, ws.normed, ws.row_scratch)
+            linear(x, layer.qkv, ws.qkv)
+            q = ws.qkv[:, :q_width].reshape(T, n_head, hd)
+            k = ws.qkv[:, q_width:q_width + kv_width].reshape(T, n_kv, hd)
+            v = ws.qkv[:, q_width + kv_width:].reshape(T, n_kv, hd)
+            rms_norm(q, layer.q_norm, eps, q, ws.head_scratch)
+            rms_norm(k, layer.k_norm, eps, k, ws.head_scratch[:, :n_kv])
+            cos_table, sin_table = self.layer_rope[i]
+            cos, sin = cos_table[positions], sin_table[positions]
+            apply_rope(q, cos, sin, c.rope_layout, c.rope_dim, ws.rope_a, ws.rope_b)
+            apply_rope(k, cos, sin, c.rope_layout, c.rope_dim, ws.rope_a[:, :n_kv], ws.rope_b[:, :n_kv])
+            keys, values, key_positions = cache.store(i, start_position, k, v)
+            attention(q, keys, values, start_position=start_position, scale=c.attention_scale,
+                      out=ws.attention_heads, score_buffer=ws.score_buffer, row_scratch=ws.score_scratch,
+                      key_positions=key_positions, sliding_window=self.layer_window[i])
+            linear(ws.attention_heads, layer.attn_output, ws.attention_output)
+            attention_output = rms_norm(ws.attention_output, layer.post_attention_norm, eps,
+                                        ws.attention_output, ws.row_scratch)
+            hooks.after_attention(i, attention_output)
+            hidden += attention_output
+
+            y = rms_norm(hidden, layer.ffn_norm, eps, ws.normed, ws.row_scratch)
+            linear(y, layer.gate_up, ws.gate_up)
+            gate = ws.gate_up[:, :c.feed_forward_length]
+            up = ws.gate_up[:, c.feed_forward_length:]
+            gelu_tanh_inplace(gate, ws.mlp_scratch)
+            gate *= up
+            linear(gate, layer.ffn_down, ws.mlp_output)
+            mlp_output = rms_norm(ws.mlp_output, layer.post_ffw_norm, eps, ws.mlp_output, ws.row_scratch)
+            hooks.after_mlp(i, mlp_output)
+            hidden += mlp_output
+            hooks.after_layer(i, hidden)
+
+        cache.length = start_position + T
+        if all_logits:
+            normed = rms_norm(hidden, w.output_norm, eps, ws.normed, ws.row_scratch)
+            last_normed = normed[T - 1:]
+        else:
+            last_normed = rms_norm(hidden[T - 1:], w.output_norm, eps, ws.final_normed, ws.final_row_scratch)
+        hooks.before_logits(last_normed)
+        logits = self.lm_head(last_normed, ws.logits)
+        hooks.after_logits(logits)
+        if all_logits:
+            every = np.empty((T, c.vocab_size), np.float32)
+            if T > 1:
+                self.lm_head(normed[:T - 1], every[:T - 1])
+            every[T - 1] = logits[0]
+            return every
+        return logits
+
+    def lm_head(self, normed: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """out = normed Eᵀ, soft-capped when the model has a final logit softcap."""
+        linear(normed, self.weights.output, out)
+        cap = self.config.final_logit_softcap
+        if cap:
+            out *= 1.0 / cap
+            np.tanh(out, out=out)
+            out *= cap
+        return out
+
+
+def build_forward(config: Gemma3Config, store: WeightStore, context_length: int) -> Gemma3Forward:
+    return Gemma3Forward(config, load_weights(store, config), context_length)
