@@ -58,13 +58,14 @@ class BoundaryRecorder(Experiment):
 
 def record_generation(model, prompt_ids: Sequence[int],
                       decode_steps: int) -> tuple[list[Evaluation], list[int]]:
-    """Greedy-generate with ember: a prefill then `decode_steps` decode evaluations.
+    """Greedy-generate with ember: a prefill then `decode_steps` decode evaluations (end-of-generation
+    tokens do not stop it).
 
     Returns the recorded evaluations (token ids filled in) and the generated token ids.
     """
     recorder = BoundaryRecorder()
     generation = model.generate(list(prompt_ids), max_new_tokens=decode_steps + 1, temperature=0.0,
-                                add_bos=False, experiments=[recorder])
+                                add_bos=False, experiments=[recorder], stop_at_eog=False)
     sequence = list(prompt_ids) + list(generation.token_ids)
     for evaluation in recorder.evaluations:
         count = evaluation.before_layer[0].shape[0] if evaluation.before_layer else 0
