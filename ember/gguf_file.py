@@ -148,7 +148,7 @@ class _Cursor:
                 end = pos + n
                 if end > size:
                     break
-                append(_decode(buf[pos:end]))
+                append(buf[pos:end].decode("utf-8", "surrogateescape"))  # as _decode, inlined
                 pos = end
         except struct.error:
             pass

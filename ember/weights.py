@@ -15,6 +15,7 @@ import tempfile
 import time
 import warnings
 from collections import Counter
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -56,31 +57,49 @@ class WeightStore:
     def matrix(self, name: str) -> np.ndarray:
         """The whole tensor as float32 in NumPy shape; a read-only memory map when the cache is on."""
         info = self.gguf.tensor(name)
+        return self._cached(name, info.shape, lambda: self._dequantize(name))
+
+    def concatenated(self, names: Sequence[str]) -> np.ndarray:
+        """Several matrices stacked along their first axis (e.g. fused Q/K/V), cached as one file.
+
+        Only the stacked result is cached, so a warm load maps one file instead of copying the parts.
+        """
+        infos = [self.gguf.tensor(n) for n in names]
+        if not infos:
+            raise ValueError("concatenated() needs at least one tensor name")
+        trailing = {info.shape[1:] for info in infos}
+        if len(trailing) != 1 or not infos[0].shape:
+            shapes = ", ".join(f"{i.name} {i.shape}" for i in infos)
+            raise GGUFError(f"{self.gguf.path}: cannot stack tensors of shapes {shapes}")
+        shape = (sum(info.shape[0] for info in infos), *infos[0].shape[1:])
+        key = "+".join(names)
+        return self._cached(key, shape, lambda: np.concatenate([self._dequantize(n) for n in names]))
+
+    def _cached(self, key: str, shape: tuple[int, ...], produce: Callable[[], np.ndarray]) -> np.ndarray:
         if self.cache_dir is None:
-            return self._dequantize(name)
-        path = self.cache_dir / _file_name(name)
-        cached = _load_cached(path, info.shape)
+            return produce()
+        path = self.cache_dir / _file_name(key)
+        cached = _load_cached(path, shape)
         if cached is not None:
-            self.cache_hits[name] += 1
+            self.cache_hits[key] += 1
             return cached
-        values = self._dequantize(name)
-        if not self._cache_write_failed:
-            try:
-                if not self._swept:
-                    self._swept = True
-                    _remove_stale_temporaries(self.cache_dir)
-                _save_atomic(path, values)
-            except OSError as e:
-                self._cache_write_failed = True
-                warnings.warn(
-                    f"ember: cannot write the weight cache at {self.cache_dir} ({e}); continuing without it",
-                    stacklevel=2,
-                )
-                return values
-            cached = _load_cached(path, info.shape)
-            if cached is not None:
-                return cached
-        return values
+        values = produce()
+        if self._cache_write_failed:
+            return values
+        try:
+            if not self._swept:
+                self._swept = True
+                _remove_stale_temporaries(self.cache_dir)
+            _save_atomic(path, values)
+        except OSError as e:
+            self._cache_write_failed = True
+            warnings.warn(
+                f"ember: cannot write the weight cache at {self.cache_dir} ({e}); continuing without it",
+                stacklevel=3,
+            )
+            return values
+        cached = _load_cached(path, shape)
+        return values if cached is None else cached
 
     def vector(self, name: str) -> np.ndarray:
         """A 1-D tensor (norm weights, rope factors) as a new float32 array."""
@@ -109,10 +128,10 @@ def file_fingerprint(gguf_file: GGUFFile) -> str:
     return f"{gguf_file.path.stem[:40]}-{h.hexdigest()[:16]}"
 
 
-def _file_name(name: str) -> str:
-    safe = re.sub(r"[^A-Za-z0-9._-]", "_", name)
-    if safe != name or safe.startswith("."):
-        safe = f"{safe.lstrip('.')}-{hashlib.sha256(name.encode()).hexdigest()[:8]}"
+def _file_name(key: str) -> str:
+    safe = re.sub(r"[^A-Za-z0-9._+-]", "_", key)
+    if safe != key or safe.startswith(".") or len(safe) > 180:
+        safe = f"{safe.lstrip('.')[:160]}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
     return safe + ".npy"
 
 

@@ -155,6 +155,32 @@ def test_unwritable_cache_falls_back_with_a_warning(model_file, tmp_path):
     assert b.shape == (64, 128)
 
 
+def test_concatenated_is_cached_as_one_file(model_file, tmp_path):
+    f = GGUFFile.open(model_file)
+    names = ["blk.0.attn_q.weight", "token_embd.weight"]
+    expected = np.concatenate([f.dequantize(n) for n in names])
+    cold = WeightStore(f, tmp_path / "cache")
+    np.testing.assert_array_equal(cold.concatenated(names), expected)
+    assert [p.name for p in cache_files(tmp_path / "cache")] == ["blk.0.attn_q.weight+token_embd.weight.npy"]
+    warm = WeightStore(f, tmp_path / "cache")
+    stacked = warm.concatenated(names)
+    assert isinstance(stacked, np.memmap) and stacked.shape == (164, 64)
+    np.testing.assert_array_equal(stacked, expected)
+    assert warm.full_dequantizations.total() == 0
+    np.testing.assert_array_equal(WeightStore(f, False).concatenated(names), expected)
+    with pytest.raises(GGUFError, match="cannot stack tensors of shapes"):
+        cold.concatenated(["blk.0.attn_q.weight", "blk.0.ffn_down.weight"])
+
+
+def test_long_or_odd_names_get_safe_file_names():
+    from ember.weights import _file_name
+
+    assert _file_name("blk.0.attn_q.weight") == "blk.0.attn_q.weight.npy"
+    odd = _file_name("../evil/name")
+    assert "/" not in odd and not odd.startswith(".") and odd != _file_name("___evil_name")
+    assert len(_file_name("x" * 1000)) < 200
+
+
 def test_vector(model_file):
     f = GGUFFile.open(model_file)
     store = WeightStore(f, cache_dir=False)
