@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ember.config import ModelConfig
-from ember.families import gemma3, llama
+from ember.families import gemma3, gemma4, llama
 from ember.gguf_file import GGUFFile
 from ember.weights import WeightStore
 
@@ -26,4 +26,5 @@ FAMILIES: dict[str, Family] = {
     "llama": Family(llama.build_config, _llama_forward),
     "qwen3": Family(llama.build_config, _llama_forward),
     "gemma3": Family(gemma3.build_config, gemma3.build_forward),
+    "gemma4": Family(gemma4.build_config, gemma4.build_forward),
 }

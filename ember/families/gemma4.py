@@ -1,0 +1,531 @@
+"""Gemma 4 text decoder (GGUF architecture `gemma4`, the dense E-series: E2B/E4B), families.md §3.
+
+What differs from llama/qwen3, each explicit below: a per-layer pattern of sliding-window and full
+attention layers with their own head dim, rope base and KV head count; full layers rotate with
+`rope_freqs` factors ("proportional" partial rope); QK-norm and a weightless V-norm; V is the raw K
+projection when `attn_v` is absent; attention scale 1.0; the last `shared_kv_layers` layers attend to
+the K/V of an earlier layer and hold no cache of their own; four norms per block; per-layer embeddings
+(PLE); a per-layer output scalar; a tied LM head and a final logit softcap.
+
+Inputs: token ids t [T]; H hidden, P PLE width, L layers.
+    h  = E[t] · √H                                            (the residual stream)
+    ple[:, l] = (RMSNorm((h Wpmpᵀ)/√H, per_layer_proj_norm) + PLE[t]·√P) / √2     [T, L, P]
+Per layer l (hd, n_kv, F and the rope set by the layer's kind):
+    x = RMSNorm(h, attn_norm)
+    q = rope(RMSNorm(x Wqᵀ, attn_q_norm))                      per head
+    layers that own K/V:  k = x Wkᵀ;  v = x Wvᵀ (or the raw k when attn_v is absent)
+                          k = rope(RMSNorm(k, attn_k_norm));  v = RMSNorm(v) (no weight) → cache
+    shared layers:        k, v of layer `kv_source[l]` from this same evaluation
+    a = RMSNorm(attention(q, k, v; scale 1, window on sliding layers) Woᵀ, post_attention_norm)
+                                                               → after_attention (before the residual add)
+    h = h + a
+    m = RMSNorm((gelu_tanh(y Wgᵀ) ⊙ y Wuᵀ) Wdᵀ, post_ffw_norm),  y = RMSNorm(h, ffn_norm)
+                                                               → after_mlp (before the residual add)
+    h = h + m
+    h = h + RMSNorm((gelu_tanh(h Wgateᵀ) ⊙ ple[:, l]) Wprojᵀ, post_norm)      (PLE, when P > 0)
+    h = h · layer_output_scale                                 → after_layer
+z = RMSNorm(h[last], output_norm)                              → before_logits
+logits = c·tanh((z Eᵀ)/c),  c = final_logit_softcapping        → after_logits
+
+Memory: `token_embd` (also the LM head) and `per_layer_token_embd` are never dequantized whole. The
+forward asks the WeightStore for the rows of the evaluated tokens only, and the LM head streams the
+table through the logits in blocks of `LM_HEAD_BLOCK_VALUES` dequantized values (so every evaluation
+dequantizes the table once, block by block; see `TiedHead`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ember.config import MetadataReader, ModelConfig, RopeLayout
+from ember.errors import GGUFError
+from ember.experiments.context import ExecutionPhase, ModelFamily
+from ember.gguf_file import GGUFFile
+from ember.kv_cache import LayeredKVCache
+from ember.ops import apply_rope, attention, gelu_tanh_inplace, linear, rms_norm
+from ember.weights import WeightStore
+
+# The LM head dequantizes at most this many values at a time (16 MB of float32).
+LM_HEAD_BLOCK_VALUES = 1 << 22
+
+
+@dataclass(frozen=True, slots=True)
+class Gemma4Config(ModelConfig):
+    """ModelConfig plus Gemma 4's per-layer geometry.
+
+    The inherited scalars describe the full-attention layers where they differ per layer kind
+    (`head_dim` = `attention.key_length`, `rope_base`, `rope_dim`); `head_count_kv` and
+    `feed_forward_length` are the largest per-layer values. The per-layer tuples are authoritative.
+    """
+
+    sliding: tuple[bool, ...]  # per layer: True = sliding-window attention
+    layer_head_dims: tuple[int, ...]
+    layer_kv_heads: tuple[int, ...]
+    layer_ffn_lengths: tuple[int, ...]
+    head_dim_swa: int
+    rope_dim_swa: int
+    rope_base_swa: float
+    sliding_window: int
+    shared_kv_layers: int
+    kv_source: tuple[int, ...]  # per layer: the layer whose K/V it attends to (itself if it owns K/V)
+    per_layer_input_dim: int  # P; 0 disables PLE
+    final_logit_softcap: float  # 0 disables the cap
+
+    @property
+    def first_shared_layer(self) -> int:
+        return self.layer_count - self.shared_kv_layers
+
+    def owns_kv(self, layer: int) -> bool:
+        return layer < self.first_shared_layer
+
+
+def build_config(gguf: GGUFFile) -> Gemma4Config:
+    meta = MetadataReader(gguf)
+    path = gguf.path
+    hidden_size = meta.int("embedding_length")
+    layer_count = meta.int("block_count")
+    head_count = meta.int("attention.head_count")
+
+    pattern = meta.raw("attention.sliding_window_pattern")
+    if pattern is None:
+        gguf.require(f"{meta.arch}.attention.sliding_window_pattern")
+    if np.ndim(pattern) != 1 or len(pattern) != layer_count:
+        raise GGUFError(
+            f"{path}: metadata '{meta.arch}.attention.sliding_window_pattern' must be one bool per layer "
+            f"({layer_count}), got {pattern!r}"
+        )
+    sliding = tuple(bool(v) for v in pattern)
+
+    head_dim_full = meta.int("attention.key_length", hidden_size // head_count)
+    head_dim_swa = meta.int("attention.key_length_swa")
+    value_lengths = (("attention.value_length", head_dim_full), ("attention.value_length_swa", head_dim_swa))
+    for key, expected in value_lengths:
+        value = meta.raw(key)
+        if value is not None and int(value) != expected:
+            raise GGUFError(f"{path}: '{meta.arch}.{key}' {value} differs from the key length {expected}; "
+                            "Gemma 4 needs equal key and value head dims")
+    rope_dim = meta.int("rope.dimension_count", head_dim_full)
+    rope_dim_swa = meta.int("rope.dimension_count_swa", rope_dim)
+    if rope_dim > head_dim_full or rope_dim_swa > head_dim_swa:
+        raise GGUFError(f"{path}: rope dimension counts ({rope_dim} full, {rope_dim_swa} sliding) exceed the "
+                        f"head dims ({head_dim_full}, {head_dim_swa})")
+
+    kv_heads = meta.int_per_layer("attention.head_count_kv", layer_count, head_count)
+    ffn_lengths = meta.int_per_layer("feed_forward_length", layer_count)
+    shared = meta.int("attention.shared_kv_layers", 0)
+    head_dims = tuple(head_dim_swa if s else head_dim_full for s in sliding)
+    kv_source = _kv_sources(path, sliding, head_dims, kv_heads, shared)
+
+    linear_factor = 1.0
+    factor = meta.raw("rope.scaling.factor", meta.raw("rope.scale_linear"))
+    if factor and float(factor) != 1.0:
+        if meta.raw("rope.scaling.type", "linear") != "linear":
+            raise GGUFError(f"{path}: rope scaling type '{meta.raw('rope.scaling.type')}' is not supported")
+        linear_factor = float(factor)  # full layers only, as in llama.cpp
+
+    tokens = gguf.metadata.get("tokenizer.ggml.tokens")
+    vocab_size = meta.int("vocab_size", len(tokens) if tokens is not None else None)
+    if "token_embd.weight" in gguf.tensors:
+        vocab_size = gguf.tensor("token_embd.weight").shape[0]
+    return Gemma4Config(
+        architecture=gguf.architecture,
+        family=ModelFamily.GEMMA4,
+        name=str(gguf.metadata.get("general.name", path.stem)),
+        layer_count=layer_count,
+        hidden_size=hidden_size,
+        head_count=head_count,
+        head_count_kv=max(kv_heads),
+        head_dim=head_dim_full,
+        feed_forward_length=max(ffn_lengths),
+        vocab_size=vocab_size,
+        context_length=meta.int("context_length"),
+        rms_norm_eps=meta.float("attention.layer_norm_rms_epsilon"),
+        rope_base=meta.float("rope.freq_base", 10000.0),
+        rope_dim=rope_dim,
+        rope_layout=RopeLayout.NEOX,
+        rope_linear_factor=linear_factor,
+        has_qk_norm=True,
+        tied_embeddings="output.weight" not in gguf.tensors,
+        sliding=sliding,
+        layer_head_dims=head_dims,
+        layer_kv_heads=kv_heads,
+        layer_ffn_lengths=ffn_lengths,
+        head_dim_swa=head_dim_swa,
+        rope_dim_swa=rope_dim_swa,
+        rope_base_swa=meta.float("rope.freq_base_swa", 10000.0),
+        sliding_window=meta.int("attention.sliding_window"),
+        shared_kv_layers=shared,
+        kv_source=kv_source,
+        per_layer_input_dim=meta.int("embedding_length_per_layer_input"),
+        final_logit_softcap=meta.float("final_logit_softcapping", 0.0),
+    )
+
+
+def _kv_sources(path, sliding: tuple[bool, ...], head_dims: tuple[int, ...], kv_heads: tuple[int, ...],
+                shared: int) -> tuple[int, ...]:
+    """llama.cpp's reuse rule: with f = first shared layer, a shared sliding layer reads layer f−2 and a
+    shared full layer reads layer f−1. It assumes f−2 is sliding and f−1 is full (true for E2B/E4B);
+    a file where that does not hold is refused rather than computed wrongly."""
+    layer_count = len(sliding)
+    if shared == 0:
+        return tuple(range(layer_count))
+    first = layer_count - shared
+    if not 2 <= first < layer_count:
+        raise GGUFError(f"{path}: shared_kv_layers = {shared} leaves {first} layers with their own KV; "
+                        f"Gemma 4 needs at least 2 and at most {layer_count - 1}")
+    sources = []
+    for layer in range(layer_count):
+        if layer < first:
+            sources.append(layer)
+            continue
+        source = first - (2 if sliding[layer] else 1)
+        if (sliding[source], head_dims[source], kv_heads[source]) != (sliding[layer], head_dims[layer],
+                                                                      kv_heads[layer]):
+            raise GGUFError(
+                f"{path}: KV-shared layer {layer} ({'sliding' if sliding[layer] else 'full'}) would reuse "
+                f"layer {source}, which has a different kind or geometry; llama.cpp's rule needs layers "
+                f"{first - 2} (sliding) and {first - 1} (full) just before the shared ones"
+            )
+        sources.append(source)
+    return tuple(sources)
+
+
+# --------------------------------------------------------------------------- weights
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    attn_norm: np.ndarray
+    projection: np.ndarray  # [q; k; v] rows when the layer owns K/V (v only if attn_v exists); else q
+    has_v: bool
+    q_norm: np.ndarray
+    k_norm: np.ndarray | None  # None on shared layers
+    attn_output: np.ndarray
+    post_attention_norm: np.ndarray
+    ffn_norm: np.ndarray
+    gate_up: np.ndarray  # [gate rows; up rows]
+    ffn_down: np.ndarray
+    post_ffw_norm: np.ndarray
+    output_scale: float  # layer_output_scale; 1.0 when absent
+    ple_gate: np.ndarray | None  # inp_gate (P, H)
+    ple_proj: np.ndarray | None  # proj (H, P)
+    ple_post_norm: np.ndarray | None
+
+
+@dataclass(slots=True)
+class Weights:
+    output_norm: np.ndarray
+    rope_freqs: np.ndarray | None  # factors of the full layers' rope
+    ple_model_proj: np.ndarray | None  # per_layer_model_proj (L·P, H)
+    ple_proj_norm: np.ndarray | None
+    layers: list[LayerWeights]
+
+
+def load_weights(store: WeightStore, config: Gemma4Config) -> Weights:
+    def fused(*names: str) -> np.ndarray:
+        return np.ascontiguousarray(np.concatenate([store.matrix(n) for n in names], axis=0))
+
+    ple = config.per_layer_input_dim > 0
+    layers = []
+    for i in range(config.layer_count):
+        block = f"blk.{i}."
+        own = config.owns_kv(i)
+        has_v = own and store.has(block + "attn_v.weight")
+        names = [block + "attn_q.weight"]
+        if own:
+            names.append(block + "attn_k.weight")
+            if has_v:
+                names.append(block + "attn_v.weight")
+        scale = block + "layer_output_scale.weight"
+        layers.append(LayerWeights(
+            attn_norm=store.vector(block + "attn_norm.weight"),
+            projection=fused(*names),
+            has_v=has_v,
+            q_norm=store.vector(block + "attn_q_norm.weight"),
+            k_norm=store.vector(block + "attn_k_norm.weight") if own else None,
+            attn_output=store.matrix(block + "attn_output.weight"),
+            post_attention_norm=store.vector(block + "post_attention_norm.weight"),
+            ffn_norm=store.vector(block + "ffn_norm.weight"),
+            gate_up=fused(block + "ffn_gate.weight", block + "ffn_up.weight"),
+            ffn_down=store.matrix(block + "ffn_down.weight"),
+            post_ffw_norm=store.vector(block + "post_ffw_norm.weight"),
+            output_scale=float(store.vector(scale)[0]) if store.has(scale) else 1.0,
+            ple_gate=store.matrix(block + "inp_gate.weight") if ple else None,
+            ple_proj=store.matrix(block + "proj.weight") if ple else None,
+            ple_post_norm=store.vector(block + "post_norm.weight") if ple else None,
+        ))
+    has_full = not all(config.sliding)
+    if has_full and not store.has("rope_freqs.weight"):
+        raise GGUFError(f"{store.gguf.path}: tensor 'rope_freqs.weight' is missing; Gemma 4's full-attention "
+                        "layers need it for their partial rope")
+    return Weights(
+        output_norm=store.vector("output_norm.weight"),
+        rope_freqs=store.vector("rope_freqs.weight") if has_full else None,
+        ple_model_proj=store.matrix("per_layer_model_proj.weight") if ple else None,
+        ple_proj_norm=store.vector("per_layer_proj_norm.weight") if ple else None,
+        layers=layers,
+    )
+
+
+class TiedHead:
+    """Logits = z Eᵀ without ever holding E dequantized whole.
+
+    E (`token_embd`, or `output` when the head is not tied) is read in blocks of rows through
+    `WeightStore.rows`; each block is dequantized, multiplied into its slice of the logits and dropped.
+    Cost: one dequantization of the whole table per evaluation (whatever the number of rows evaluated),
+    with at most `LM_HEAD_BLOCK_VALUES` float32 values alive at once.
+    """
+
+    def __init__(self, store: WeightStore, name: str, vocab_size: int, hidden_size: int) -> None:
+        self.store = store
+        self.name = name
+        self.block_rows = max(1, min(vocab_size, LM_HEAD_BLOCK_VALUES // hidden_size))
+        self.row_ids = np.arange(vocab_size, dtype=np.int64)
+
+    def __call__(self, normed: np.ndarray, out: np.ndarray) -> np.ndarray:
+        vocab_size = out.shape[1]
+        for start in range(0, vocab_size, self.block_rows):
+            stop = min(start + self.block_rows, vocab_size)
+            rows = self.store.rows(self.name, self.row_ids[start:stop])
+            if normed.shape[0] == 1:
+                np.matmul(normed[0], rows.T, out=out[0, start:stop])
+            else:
+                out[:, start:stop] = normed @ rows.T
+        return out
+
+
+# --------------------------------------------------------------------------- forward
+
+
+def _inverse_frequencies(rope_dim: int, base: float, factors: np.ndarray | None) -> np.ndarray:
+    """base^(−2i/rope_dim) / f_i as float32, formed as `ember.ops.rope_tables` forms it."""
+    inverse = base ** (-np.arange(rope_dim // 2, dtype=np.float64) * 2.0 / rope_dim)
+    if factors is not None:
+        inverse = inverse / factors[: rope_dim // 2].astype(np.float64)
+    return inverse.astype(np.float32)
+
+
+class Workspace:
+    """Activation buffers for an evaluation of `rows` tokens; decode keeps one for rows = 1.
+
+    Buffers whose width changes per layer (projections, heads, FFN) are flat and handed out as
+    contiguous [rows, width] views sized for the layer.
+    """
+
+    def __init__(self, config: Gemma4Config, rows: int, max_keys: int) -> None:
+        c = config
+        H, n_head, P, L = c.hidden_size, c.head_count, c.per_layer_input_dim, c.layer_count
+        q_width = max(n_head * hd for hd in c.layer_head_dims)
+        kv_width = max(n * hd for n, hd in zip(c.layer_kv_heads, c.layer_head_dims, strict=True))
+        F = c.feed_forward_length
+        half = max(c.rope_dim, c.rope_dim_swa) // 2
+        f32 = np.float32
+        self.rows = rows
+        self.hidden = np.zeros((rows, H), f32)
+        self.normed = np.zeros((rows, H), f32)
+        self.row_scratch = np.zeros((rows, 1), f32)
+        self.projection = np.zeros(rows * (q_width + 2 * kv_width), f32)
+        self.values = np.zeros(rows * kv_width, f32)  # V copied from the raw K when attn_v is absent
+        self.head_scratch = np.zeros((rows, max(n_head, c.head_count_kv), 1), f32)
+        self.rope_a = np.zeros(rows * n_head * half, f32)
+        self.rope_b = np.zeros_like(self.rope_a)
+        self.positions = np.zeros((rows, 1), f32)
+        self.cos_full = np.zeros((rows, c.rope_dim // 2), f32)
+        self.sin_full = np.zeros_like(self.cos_full)
+        self.cos_swa = np.zeros((rows, c.rope_dim_swa // 2), f32)
+        self.sin_swa = np.zeros_like(self.cos_swa)
+        self.heads = np.zeros(rows * q_width, f32)
+        self.attention_output = np.zeros((rows, H), f32)
+        self.gate_up = np.zeros(rows * 2 * F, f32)
+        self.mlp_scratch = np.zeros(rows * F, f32)
+        self.mlp_output = np.zeros((rows, H), f32)
+        self.ple = np.zeros((rows, L, P), f32)
+        self.ple_row_scratch = np.zeros((rows, L, 1), f32)
+        self.ple_gate = np.zeros((rows, P), f32)
+        self.ple_scratch = np.zeros((rows, P), f32)
+        self.ple_output = np.zeros((rows, H), f32)
+        self.score_buffer = np.zeros(n_head * max_keys, f32) if rows == 1 else None
+        self.score_scratch = np.zeros(n_head, f32) if rows == 1 else None
+        self.final_normed = np.zeros((1, H), f32)
+        self.final_row_scratch = np.zeros((1, 1), f32)
+        self.logits = np.zeros((1, c.vocab_size), f32)
+
+    def view(self, flat: np.ndarray, *shape: int) -> np.ndarray:
+        """A contiguous view of the first prod(shape) values of a flat buffer."""
+        return flat[: int(np.prod(shape))].reshape(shape)
+
+
+class Gemma4Forward:
+    """The forward pass of one loaded Gemma 4 model."""
+
+    def __init__(self, config: Gemma4Config, weights: Weights, store: WeightStore) -> None:
+        self.config = config
+        self.weights = weights
+        self.store = store
+        head_name = "token_embd.weight" if config.tied_embeddings else "output.weight"
+        self.lm_head = TiedHead(store, head_name, config.vocab_size, config.hidden_size)
+        self.inverse_frequency_full = _inverse_frequencies(config.rope_dim, config.rope_base,
+                                                           weights.rope_freqs)
+        self.inverse_frequency_swa = _inverse_frequencies(config.rope_dim_swa, config.rope_base_swa, None)
+        self.embedding_scale = np.float32(np.sqrt(config.hidden_size))
+        P = config.per_layer_input_dim
+        self.ple_token_scale = np.float32(np.sqrt(P)) if P else np.float32(0)
+        self.ple_projection_scale = np.float32(1.0 / np.sqrt(config.hidden_size))
+        self.ple_combine_scale = np.float32(1.0 / np.sqrt(2.0))
+
+    def new_cache(self, context_length: int) -> LayeredKVCache:
+        c = self.config
+        specs = [(c.layer_kv_heads[i], c.layer_head_dims[i], c.sliding_window if c.sliding[i] else 0)
+                 for i in range(c.first_shared_layer)]  # shared layers hold no K/V of their own
+        return LayeredKVCache.build(context_length, specs)
+
+    def new_workspace(self, rows: int, max_keys: int) -> Workspace:
+        return Workspace(self.config, rows, max_keys)
+
+    # -- inputs ------------------------------------------------------------------------------
+
+    def embed(self, token_ids: np.ndarray, out: np.ndarray) -> None:
+        """out = E[t]·√H, dequantizing only the rows of these tokens."""
+        out[...] = self.store.rows("token_embd.weight", token_ids)
+        out *= self.embedding_scale
+
+    def per_layer_inputs(self, token_ids: np.ndarray, embedded: np.ndarray, ws: Workspace) -> np.ndarray:
+        """ple [T, L, P] (§3.5): the token-identity rows plus the normed projection of the embedding."""
+        c, w = self.config, self.weights
+        T, L, P = len(token_ids), c.layer_count, c.per_layer_input_dim
+        ple = ws.ple[:T]
+        context = ple.reshape(T, L * P)
+        linear(embedded, w.ple_model_proj, context)
+        context *= self.ple_projection_scale
+        rms_norm(ple, w.ple_proj_norm, c.rms_norm_eps, ple, ws.ple_row_scratch[:T])
+        identity = self.store.rows("per_layer_token_embd.weight", token_ids)
+        identity *= self.ple_token_scale
+        context += identity
+        context *= self.ple_combine_scale
+        return ple
+
+    def rope(self, start_position: int, T: int, ws: Workspace) -> None:
+        """cos/sin of both layer kinds for the evaluated positions (formed per evaluation, no table)."""
+        positions = ws.positions[:T]
+        positions[:, 0] = (start_position + np.arange(T, dtype=np.float64)) / self.config.rope_linear_factor
+        np.multiply(positions, self.inverse_frequency_full, out=ws.cos_full[:T])
+        np.sin(ws.cos_full[:T], out=ws.sin_full[:T])
+        np.cos(ws.cos_full[:T], out=ws.cos_full[:T])
+        positions[:, 0] = start_position + np.arange(T, dtype=np.float64)
+        np.multiply(positions, self.inverse_frequency_swa, out=ws.cos_swa[:T])
+        np.sin(ws.cos_swa[:T], out=ws.sin_swa[:T])
+        np.cos(ws.cos_swa[:T], out=ws.cos_swa[:T])
+
+    # -- the pass ----------------------------------------------------------------------------
+
+    def forward(self, token_ids: np.ndarray, start_position: int, cache: LayeredKVCache, ws: Workspace,
+                hooks, phase: ExecutionPhase, *, all_logits: bool = False) -> np.ndarray:
+        """Evaluate token_ids at positions start_position…; return logits of the last row
+        ([1, V], a workspace view) or of every row ([T, V], new) when all_logits."""
+        c, w = self.config, self.weights
+        T = len(token_ids)
+        eps, n_head = c.rms_norm_eps, c.head_count
+        hooks.begin_evaluation(phase, start_position, T)
+
+        hidden = ws.hidden
+        self.embed(token_ids, hidden)
+        ple = self.per_layer_inputs(token_ids, hidden, ws) if c.per_layer_input_dim else None
+        self.rope(start_position, T, ws)
+        shared_kv: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+
+        for i, layer in enumerate(w.layers):
+            hooks.before_layer(i, hidden)
+            sliding = c.sliding[i]
+            hd, n_kv, F = c.layer_head_dims[i], c.layer_kv_heads[i], c.layer_ffn_lengths[i]
+            q_width, kv_width = n_head * hd, n_kv * hd
+            if sliding:
+                rope_dim, cos, sin = c.rope_dim_swa, ws.cos_swa[:T], ws.sin_swa[:T]
+            else:
+                rope_dim, cos, sin = c.rope_dim, ws.cos_full[:T], ws.sin_full[:T]
+            rope_a = ws.view(ws.rope_a, T, n_head, rope_dim // 2)
+            rope_b = ws.view(ws.rope_b, T, n_head, rope_dim // 2)
+
+            # attention
+            x = rms_norm(hidden, layer.attn_norm, eps, ws.normed, ws.row_scratch)
+            projected = linear(x, layer.projection, ws.view(ws.projection, T, layer.projection.shape[0]))
+            q = projected[:, :q_width].reshape(T, n_head, hd)
+            rms_norm(q, layer.q_norm, eps, q, ws.head_scratch[:T, :n_head])
+            apply_rope(q, cos, sin, RopeLayout.NEOX, rope_dim, rope_a, rope_b)
+            if c.owns_kv(i):
+                k = projected[:, q_width:q_width + kv_width].reshape(T, n_kv, hd)
+                if layer.has_v:
+                    v = projected[:, q_width + kv_width:].reshape(T, n_kv, hd)
+                else:  # attention_k_eq_v: V is the raw K projection, taken before k_norm
+                    v = ws.view(ws.values, T, n_kv, hd)
+                    v[...] = k
+                rms_norm(k, layer.k_norm, eps, k, ws.head_scratch[:T, :n_kv])
+                rms_norm(v, None, eps, v, ws.head_scratch[:T, :n_kv])
+                apply_rope(k, cos, sin, RopeLayout.NEOX, rope_dim, rope_a[:, :n_kv], rope_b[:, :n_kv])
+                shared_kv[i] = cache.store(i, start_position, k, v)
+            keys, values, key_positions = shared_kv[c.kv_source[i]]
+            heads = ws.view(ws.heads, T, q_width)
+            row_scratch = ws.score_scratch.reshape(n_kv, n_head // n_kv, 1) if T == 1 else None
+            attention(q, keys, values, start_position=start_position, scale=1.0, out=heads,
+                      score_buffer=ws.score_buffer, row_scratch=row_scratch, key_positions=key_positions,
+                      sliding_window=c.sliding_window if sliding else 0)
+            attention_output = linear(heads, layer.attn_output, ws.attention_output)
+            rms_norm(attention_output, layer.post_attention_norm, eps, attention_output, ws.row_scratch)
+            hooks.after_attention(i, attention_output)
+            hidden += attention_output
+
+            # feed-forward
+            y = rms_norm(hidden, layer.ffn_norm, eps, ws.normed, ws.row_scratch)
+            gate_up = linear(y, layer.gate_up, ws.view(ws.gate_up, T, 2 * F))
+            gate, up = gate_up[:, :F], gate_up[:, F:]
+            gelu_tanh_inplace(gate, ws.view(ws.mlp_scratch, T, F))
+            gate *= up
+            mlp_output = linear(gate, layer.ffn_down, ws.mlp_output)
+            rms_norm(mlp_output, layer.post_ffw_norm, eps, mlp_output, ws.row_scratch)
+            hooks.after_mlp(i, mlp_output)
+            hidden += mlp_output
+
+            # per-layer embedding, then the layer scalar
+            if ple is not None:
+                g = linear(hidden, layer.ple_gate, ws.ple_gate[:T])
+                gelu_tanh_inplace(g, ws.ple_scratch[:T])
+                g *= ple[:, i, :]
+                r = linear(g, layer.ple_proj, ws.ple_output)
+                rms_norm(r, layer.ple_post_norm, eps, r, ws.row_scratch)
+                hidden += r
+            if layer.output_scale != 1.0:
+                hidden *= np.float32(layer.output_scale)
+            hooks.after_layer(i, hidden)
+
+        cache.length = start_position + T
+        if all_logits:
+            normed = rms_norm(hidden, w.output_norm, eps, ws.normed, ws.row_scratch)
+            last_normed = normed[T - 1:]
+        else:
+            last_normed = rms_norm(hidden[T - 1:], w.output_norm, eps, ws.final_normed, ws.final_row_scratch)
+        hooks.before_logits(last_normed)
+        logits = self.logits(last_normed, ws.logits)
+        hooks.after_logits(logits)
+        if all_logits:
+            every = np.empty((T, c.vocab_size), np.float32)
+            if T > 1:
+                self.logits(normed[:T - 1], every[:T - 1])
+            every[T - 1] = logits[0]
+            return every
+        return logits
+
+    def logits(self, normed: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """The tied LM head, then the final softcap c·tanh(x/c)."""
+        self.lm_head(normed, out)
+        cap = self.config.final_logit_softcap
+        if cap:
+            out *= np.float32(1.0 / cap)
+            np.tanh(out, out=out)
+            out *= np.float32(cap)
+        return out
+
+
+def build_forward(config: Gemma4Config, store: WeightStore, context_length: int) -> Gemma4Forward:
+    del context_length  # rope is formed per evaluation; the cache is sized by the caller
+    return Gemma4Forward(config, load_weights(store, config), store)
