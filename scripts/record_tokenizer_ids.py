@@ -272,6 +272,55 @@ HANDWRITTEN = [
 ]
 
 
+# Code points whose class differs between llama.cpp's Unicode 15.1 tables and newer (16.0/17.0) ones, or
+# that Unicode 15.0 added (Kawi, Nag Mundari, CJK extension H); each is probed in context.
+PROBE_CODE_POINTS = [
+    0x88F,
+    0x897,
+    0x1ADD,
+    0x1B4E,
+    0x1B7F,
+    0x10D40,
+    0x10D6B,
+    0x10ED0,
+    0x113C2,
+    0x113D5,
+    0x113D8,
+    0x116D5,
+    0x11B61,
+    0x11BF0,
+    0x11DE5,
+    0x1391A,
+    0x13EED,
+    0x16125,
+    0x16D6D,
+    0x16D70,
+    0x18DA7,
+    0x1CCF2,
+    0x328D4,
+    0x32EA7,
+    0xCF3,
+    0x13444,
+    0x1E058,
+    0x1E4F0,
+    0x11F50,
+    0x31350,
+    0x2EC04,
+    0x0378,
+    0xE000,
+    0xF0000,
+    0x2FFFF,
+]
+
+
+def probes() -> list[str]:
+    out = []
+    for cp in PROBE_CODE_POINTS:
+        char = chr(cp)
+        out += ["a " + char + char + "1", "x" + char + "y 1" + char]
+    return out
+
+
 def random_strings(count: int, seed: int) -> list[str]:
     """Strings from a hostile character pool: spaces, newlines, digits, marks, CJK, emoji, specials."""
     pool = list("abcXYZ019 \t\n\r.,;:'\"!?-_()[]{}<>|/\\@#$%^&*+=~`") + [
@@ -326,6 +375,7 @@ def corpus() -> list[str]:
     long_text = " ".join(rng.choice(words) for _ in range(3000))
     return [
         *HANDWRITTEN,
+        *probes(),
         *random_strings(90, seed=1),
         long_text,
         "a" * 5000,

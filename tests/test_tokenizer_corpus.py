@@ -1,4 +1,4 @@
-"""ember's tokenizer against real llama.cpp on a 300-string corpus, for nine vocabularies.
+"""ember's tokenizer against real llama.cpp on a 373-string corpus, for nine vocabularies.
 
 The ids were recorded once by scripts/record_tokenizer_ids.py with llama-cpp-python 0.3.36 (see its
 docstring for what each field is). Nothing here needs llama.cpp at test time.

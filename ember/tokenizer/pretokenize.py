@@ -4,16 +4,20 @@ Each pre-tokenizer is a list of regexes applied in sequence: every regex re-spli
 previous one produced, keeping the text between matches as pieces of its own ("isolated" split). The
 end of a piece is the end of the text for the next regex (its lookaheads see nothing beyond it).
 
-`\\p{L}` and friends are spelled out from ember's own Unicode 15.1 tables, and `\\s` is the White_Space
-property, because llama.cpp's tables are Unicode 15.1 while the `regex` module's follow newer versions.
-Case-insensitive contractions are written as `'[sS]`: `(?i)` would also match long s and the Kelvin sign.
+llama.cpp's tables are Unicode 15.1 while the `regex` module's and `tokenizers`' follow newer versions,
+so ember classifies characters itself. Like llama.cpp's own fallback it matches on a *collapsed* copy
+of the text: every non-ASCII letter, number, mark, punctuation or White_Space character is replaced by
+one private-use stand-in for its class (same length, so match offsets carry over to the original), and
+the patterns use small classes (`[A-Za-z<L>]`). Unassigned and other characters stay as they are and
+belong to no class, as in llama.cpp. Case-insensitive contractions are spelled `'[sS]`: `(?i)` would
+also match the long s and the Kelvin sign.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
-
-import regex
+from functools import cache
 
 from ember.errors import TokenizerError
 from ember.tokenizer.unicode_tables import RANGES
@@ -22,21 +26,46 @@ from ember.tokenizer.unicode_tables import RANGES
 _WHITESPACE = [(0x09, 0x0D), (0x20, 0x20), (0x85, 0x85), (0xA0, 0xA0), (0x1680, 0x1680), (0x2000, 0x200A),
                (0x2028, 0x2029), (0x202F, 0x202F), (0x205F, 0x205F), (0x3000, 0x3000)]
 
+# Private-use stand-ins for non-ASCII members of each class; real U+E000..U+E004 become U+E005 ("other").
+_STAND_IN = {"L": "\ue000", "N": "\ue001", "M": "\ue002", "P": "\ue003", "WS": "\ue004"}
+_OTHER = 0xE005
+_CLASSES = {
+    "L": "A-Za-z" + _STAND_IN["L"],
+    "N": "0-9" + _STAND_IN["N"],
+    "M": _STAND_IN["M"],
+    "P": "!\"#%&'()*,\\-./:;?@\\[\\\\\\]_{}" + _STAND_IN["P"],
+    "WS": "\\t\\n\\x0b\\x0c\\r " + _STAND_IN["WS"],
+}
 
-def _class_body(ranges: list[tuple[int, int]]) -> str:
-    return "".join(f"\\U{a:08X}" if a == b else f"\\U{a:08X}-\\U{b:08X}" for a, b in ranges)
+
+def _ranges(major: str) -> list[tuple[int, int]]:
+    return [(int(a, 16), int(b, 16)) for a, b in (item.split("-") for item in RANGES[major].split())]
 
 
-def _parse(text: str) -> list[tuple[int, int]]:
-    return [(int(a, 16), int(b, 16)) for a, b in (item.split("-") for item in text.split())]
+@cache
+def collapse_table() -> dict[int, int]:
+    """str.translate table: non-ASCII code point -> the stand-in of its class (built once, ~140k entries)."""
+    table: dict[int, int] = {}
+    for major in ("L", "N", "M", "P"):
+        stand_in = ord(_STAND_IN[major])
+        for first, last in _ranges(major):
+            for cp in range(max(first, 0x80), last + 1):
+                table[cp] = stand_in
+    for first, last in _WHITESPACE:
+        for cp in range(max(first, 0x80), last + 1):
+            table[cp] = ord(_STAND_IN["WS"])
+    for cp in range(0xE000, 0xE005):
+        table[cp] = _OTHER
+    return table
 
 
-_CLASSES = {major: _class_body(_parse(text)) for major, text in RANGES.items()}
-_CLASSES["WS"] = _class_body(_WHITESPACE)
+def collapse(text: str) -> str:
+    """`text` with every non-ASCII character replaced by its class stand-in (same length)."""
+    return text if text.isascii() else text.translate(collapse_table())
 
 
 def _expand(pattern: str) -> str:
-    """Replace {L}, {N}, {M}, {P}, {S} and {WS} by class bodies (they go inside [...])."""
+    """Replace {L}, {N}, {M}, {P} and {WS} by class bodies (they go inside [...])."""
     for name, body in _CLASSES.items():
         pattern = pattern.replace("{" + name + "}", body)
     return pattern
@@ -67,38 +96,34 @@ class PreTokenizer:
     clean_spaces: bool = True
     add_bos: bool = False
 
-    def compiled(self) -> list[regex.Pattern]:
+    def compiled(self) -> list[re.Pattern[str]]:
         return [_compile(p) for p in self.patterns]
 
 
-_CACHE: dict[str, regex.Pattern] = {}
+@cache
+def _compile(pattern: str) -> re.Pattern[str]:
+    return re.compile(_expand(pattern))
 
 
-def _compile(pattern: str) -> regex.Pattern:
-    compiled = _CACHE.get(pattern)
-    if compiled is None:
-        compiled = _CACHE[pattern] = regex.compile(_expand(pattern), regex.VERSION0)
-    return compiled
-
-
-def split(text: str, patterns: list[regex.Pattern]) -> list[str]:
+def split(text: str, patterns: list[re.Pattern[str]]) -> list[str]:
     """Apply each regex in turn to every piece; unmatched stretches become pieces too."""
-    pieces = [text]
+    collapsed = collapse(text)
+    spans = [(0, len(text))]
     for pattern in patterns:
-        out: list[str] = []
-        for piece in pieces:
-            position = 0
-            for match in pattern.finditer(piece):
+        out: list[tuple[int, int]] = []
+        for first, last in spans:
+            position = first
+            for match in pattern.finditer(collapsed, first, last):
                 start, end = match.span()
                 if start > position:
-                    out.append(piece[position:start])
+                    out.append((position, start))
                 if end > start:
-                    out.append(piece[start:end])
+                    out.append((start, end))
                 position = end
-            if position < len(piece):
-                out.append(piece[position:])
-        pieces = out
-    return pieces
+            if position < last:
+                out.append((position, last))
+        spans = out
+    return [text[a:b] for a, b in spans]
 
 
 def _group(names: str, patterns: list[str], **flags: bool) -> dict[str, PreTokenizer]:
