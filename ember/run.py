@@ -30,6 +30,7 @@ from typing import Any
 
 import hydra
 import numpy as np
+from mlflow.exceptions import MlflowException
 from omegaconf import DictConfig, OmegaConf
 
 from ember import tracking
@@ -224,9 +225,13 @@ def model_label(source: str, model_file: Any) -> str:
 
 def run_name(specs: Sequence[ExperimentSpec], experiments: Sequence[Any], label: str) -> str:
     """E.g. `zero_layer_output[layer=7] smollm2-135m`; `generate smollm2-135m` without experiments."""
+    import inspect
+
     parts = []
     for spec, experiment in zip(specs, experiments, strict=True):
-        shown = ",".join(f"{k}={_short(v)}" for k, v in spec.params.items() if v is not None and k != "name")
+        defaults = {k: p.default for k, p in inspect.signature(type(experiment)).parameters.items()}
+        shown = ",".join(f"{k}={_short(v)}" for k, v in spec.params.items()
+                         if v is not None and k != "name" and not (k in defaults and defaults[k] == v))
         parts.append(f"{experiment.name}[{shown}]" if shown else str(experiment.name))
     return f"{'+'.join(parts) or 'generate'} {label}"
 
@@ -309,15 +314,15 @@ class Recorder:
     """The MLflow side of one job; every method is a no-op when tracking is off."""
 
     def __init__(self, settings: Any, job: JobInfo) -> None:
+        self.settings = settings
         self.tracker: tracking.Tracker | None = None
         self.run_id: str | None = None
         self.job = job
-        if settings is not None and settings.enabled:
-            self.tracker = tracking.Tracker(tracking.resolve_store(settings), settings.experiment_name)
 
     def start(self, name: str, tags: dict[str, Any], params: dict[str, Any]) -> None:
-        if self.tracker is None:
+        if self.settings is None or not self.settings.enabled:
             return
+        self.tracker = tracking.Tracker(tracking.resolve_store(self.settings), self.settings.experiment_name)
         parent = tracking.parent_run_id(self.job.sweep_dir) if self.job.multirun else None
         job_tags = dict(tags)
         if self.job.multirun:
@@ -405,34 +410,44 @@ def execute(cfg: DictConfig) -> int:
     from threadpoolctl import threadpool_limits
 
     recorder = Recorder(prepared.run.mlflow, job)
-    status, code = FAILED, EXIT_FAILED
+    status, code, detail = FAILED, EXIT_FAILED, ""
     try:
         with threadpool_limits(threads):
-            code = _run_prepared(prepared, job, recorder, threads, where)
+            code, detail = _run_prepared(prepared, job, recorder, threads, where)
             status = FINISHED if code == EXIT_OK else FAILED
     except KeyboardInterrupt:
-        status, code = KILLED, EXIT_INTERRUPTED
+        status, code, detail = KILLED, EXIT_INTERRUPTED, "interrupted"
         say(f"ember: {where}interrupted; the run is recorded as KILLED")
         raise
     except EmberError as error:
+        detail = str(error)
         say(f"ember: {where}{error}")
-        recorder.set_tags({"ember.error": str(error)})
+        recorder.set_tags({"ember.error": detail})
         code = EXIT_USAGE
+    except MlflowException as error:
+        detail = f"MLflow ({recorder.settings.tracking_uri or 'default store'}): {error.message}"
+        say(f"ember: {where}{detail}")
     except Exception as error:  # a bug, not a user mistake: keep the traceback in the record
         text = traceback.format_exc()
-        say(f"ember: {where}internal error: {describe_error(error)}\n{text}")
+        detail = f"internal error: {describe_error(error)}"
+        say(f"ember: {where}{detail}\n{text}")
         recorder.set_tags({"ember.error": describe_error(error)})
         recorder.log_text(text, "error.txt")
     finally:
         try:
             recorder.close(status)
+        except Exception as error:
+            say(f"ember: {where}could not close the MLflow run as {status}: {describe_error(error)}")
+            code = code or EXIT_FAILED
         finally:
             if job.multirun and job.output_dir is not None:
-                tracking.write_job_status(job.output_dir, status)
+                tracking.write_job_status(job.output_dir, status, detail)
     return code
 
 
-def _run_prepared(prepared: Prepared, job: JobInfo, recorder: Recorder, threads: int, where: str) -> int:
+def _run_prepared(prepared: Prepared, job: JobInfo, recorder: Recorder, threads: int,
+                  where: str) -> tuple[int, str]:
+    """Load, generate, measure, record; (exit status, what went wrong)."""
     run = prepared.run
     tags = {**environment_tags(), **model_tags(prepared),
             "ember.config_digest": config_digest(prepared.plain),
@@ -484,8 +499,9 @@ def _run_prepared(prepared: Prepared, job: JobInfo, recorder: Recorder, threads:
         record = tracking.failure_record(failure, generation)
         recorder.log_json(record, "failure.json")
         recorder.set_tags(tracking.failure_tags(record))
-        say(f"ember: {where}{failure} (after {len(generation.token_ids) if generation else 0} tokens)")
-        return EXIT_FAILED
+        produced = len(generation.token_ids) if generation is not None else 0
+        say(f"ember: {where}{failure} (after {produced} generated tokens)")
+        return EXIT_FAILED, str(failure)
 
     summary = f"{len(generation.token_ids)} tokens, {generation.timings.decode_tokens_per_second:.1f} tok/s"
     if effect is not None:
@@ -500,7 +516,7 @@ def _run_prepared(prepared: Prepared, job: JobInfo, recorder: Recorder, threads:
         say(f"ember: {prepared.run_name}: {summary}")
     if recorder.run_id is not None and recorder.tracker is not None:
         say(f"ember: recorded as MLflow run {recorder.run_id} in {recorder.tracker.store.tracking_uri}")
-    return EXIT_OK
+    return EXIT_OK, ""
 
 
 def _record_effect(recorder: Recorder, effect: InterventionEffect) -> None:
@@ -541,7 +557,11 @@ def _record_invalid_job(cfg: DictConfig, job: JobInfo, error: EmberError) -> Non
 _EXIT_CODES: list[int] = []
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+# conf/ sits next to the package in the source tree (an editable install runs from there).
+CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+
+
+@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def _hydra_task(cfg: DictConfig) -> int:
     code = execute(cfg)
     _EXIT_CODES.append(code)

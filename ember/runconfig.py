@@ -427,14 +427,12 @@ def _checked_params(spec: ExperimentSpec, cls: type, layer_count: int) -> dict[s
             raise ConfigError(f"{spec.where} needs a value for {key!r}{_layer_hint(key, layer_count)}")
         if key in hints and not _matches(value, hints[key]):
             raise ConfigError(f"{where} must be {_describe_type(hints[key])}, got {_show(value)}")
-        if key == "layer" and value is not None:
-            check_layer(where, value, layer_count)
-        if key == "layers" and value is not None:
-            if isinstance(value, int) and not isinstance(value, bool):
-                check_layer(where, value, layer_count)
-            elif isinstance(value, Sequence) and not isinstance(value, str):
+        if key in ("layer", "layers") and value is not None:
+            if isinstance(value, Sequence) and not isinstance(value, str):
                 for i, item in enumerate(value):
                     check_layer(f"{where}[{i}]", item, layer_count)
+            else:
+                check_layer(where, value, layer_count)
     return params
 
 

@@ -366,8 +366,10 @@ def finish_sweep(sweep_dir: str, *, interrupted: bool = False, error: str | None
     interruption, FAILED if any job failed, died or left no run, else FINISHED."""
     global _LAST_SWEEP
     folder = Path(sweep_dir).resolve()
-    statuses = _job_statuses(folder)
-    problems = {num: status.lower() for num, status in statuses.items() if status != FINISHED}
+    jobs = _job_statuses(folder)
+    statuses = {num: status for num, (status, _) in jobs.items()}
+    problems = {num: f"{status.lower()}: {detail}" if detail else status.lower()
+                for num, (status, detail) in jobs.items() if status != FINISHED}
     record = read_sweep_record(folder) if folder.exists() else None
     if record is not None and not record.get("closed"):
         from mlflow.tracking import MlflowClient
@@ -423,8 +425,8 @@ def write_job_status(job_dir: str | os.PathLike[str], status: str, detail: str =
     (Path(job_dir) / JOB_STATUS_FILE).write_text(json.dumps({"status": status, "detail": detail}))
 
 
-def _job_statuses(sweep_dir: Path) -> dict[str, str]:
-    """Job number -> status; a job folder without a status file is a job that died mid-way."""
+def _job_statuses(sweep_dir: Path) -> dict[str, tuple[str, str]]:
+    """Job number -> (status, detail); a job folder without a status file is a job that died mid-way."""
     if not sweep_dir.exists():
         return {}
     statuses = {}
@@ -432,7 +434,8 @@ def _job_statuses(sweep_dir: Path) -> dict[str, str]:
         if not (job_dir.is_dir() and job_dir.name.isdigit()):
             continue
         try:
-            statuses[job_dir.name] = json.loads((job_dir / JOB_STATUS_FILE).read_text())["status"]
+            record = json.loads((job_dir / JOB_STATUS_FILE).read_text())
+            statuses[job_dir.name] = (str(record["status"]), str(record.get("detail", "")))
         except (OSError, ValueError, KeyError):
-            statuses[job_dir.name] = "DIED"
+            statuses[job_dir.name] = ("DIED", "the job ended without reporting (crashed or killed)")
     return statuses

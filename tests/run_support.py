@@ -1,0 +1,45 @@
+"""Experiments used by the runner tests through `_target_: run_support.<Class>` (tests/ on the path)."""
+
+from __future__ import annotations
+
+from ember.experiments import Experiment, ExperimentError, ExperimentResult, Metric
+from ember.experiments.context import ExecutionPhase, LayerContext, TensorAccess
+
+
+class FailAtDecode(Experiment):
+    """Observes `after_mlp` at `layer`, and fails there on decode evaluation number `decode_step`."""
+
+    name = "fail_at_decode"
+    may_write = False
+
+    def __init__(self, layer: int = 3, decode_step: int = 2) -> None:
+        self.layer = layer
+        self.decode_step = decode_step
+        self.calls = 0
+        self.decode_calls = 0
+
+    def after_mlp(self, ctx: LayerContext, mlp_output: TensorAccess) -> None:
+        if ctx.layer_index != self.layer:
+            return
+        self.calls += 1
+        if ctx.execution.phase is ExecutionPhase.DECODE:
+            self.decode_calls += 1
+            if self.decode_calls == self.decode_step:
+                raise ExperimentError(f"planned failure on decode evaluation {self.decode_step}")
+
+    def results(self) -> ExperimentResult:
+        return ExperimentResult(metrics=[Metric("calls", float(self.calls))],
+                                tables={"calls": [{"layer": self.layer, "calls": self.calls}]})
+
+
+class ScaleByOne(Experiment):
+    """Writes, but multiplies by 1.0: an intervention that changes nothing (the effect must say so)."""
+
+    name = "scale_by_one"
+
+    def __init__(self, layer: int = 0) -> None:
+        self.layer = layer
+
+    def after_layer(self, ctx: LayerContext, hidden: TensorAccess) -> None:
+        if ctx.layer_index == self.layer:
+            hidden.values_mut()[...] *= 1.0
