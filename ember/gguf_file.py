@@ -248,7 +248,7 @@ class GGUFFile:
                 f"{path}: invalid {gguf.KEY_GENERAL_ALIGNMENT} {alignment!r}: it must be a power of two"
             )
 
-        index: list[tuple[str, tuple[int, ...], GGMLQuantizationType, int, int]] = []
+        index: list[tuple[str, tuple[int, ...], GGMLQuantizationType, int]] = []
         for i in range(n_tensors):
             name = cur.string(f"name of tensor {i}")
             n_dims = cur.u32(f"dimension count of tensor {name!r}")
@@ -260,13 +260,15 @@ class GGUFFile:
             try:
                 qtype = GGMLQuantizationType(type_id)
             except ValueError:
-                raise GGUFError(f"{path}: unknown ggml type id {type_id} for tensor {name!r}") from None
+                qtype = None
+            if qtype is None or qtype not in GGML_QUANT_SIZES:
+                raise GGUFError(f"{path}: unknown ggml type id {type_id} for tensor {name!r}")
             rel_offset = cur.u64(f"data offset of tensor {name!r}")
-            index.append((name, ne, qtype, rel_offset, i))
+            index.append((name, ne, qtype, rel_offset))
 
         data_offset = _align(cur.pos, alignment)
         tensors: dict[str, TensorInfo] = {}
-        for name, ne, qtype, rel_offset, _ in index:
+        for name, ne, qtype, rel_offset in index:
             if name in tensors:
                 raise GGUFError(f"{path}: tensor {name!r} appears twice in the tensor index")
             block_size, type_size = GGML_QUANT_SIZES[qtype]
