@@ -14,6 +14,9 @@ returns:
 * `detok_special`: llama_detokenize(special, remove_special=False, unparse_special=True)
 * `pieces`: the concatenated llama_token_to_piece(t, lstrip=0, special=False) of `special`
 
+and, per vocabulary, `vocab_facts`: the special ids, add_bos/add_eos, the EOG set and the attribute of
+every token that is not plain NORMAL (after llama.cpp's load-time rules).
+
 Byte strings are stored as text when they are valid UTF-8, else as {"hex": ...}. The vocabularies are
 SmolLM2-135M-Instruct and Gemma 3 270M (real files, given by path) and llama.cpp's own vocab fixtures
 in tests/data/vocab/.
@@ -430,6 +433,38 @@ class Oracle:
                 return buffer.raw[:n]
             size = -n + 1
 
+    def vocab_facts(self) -> dict:
+        """Special ids, add_bos/add_eos, the EOG set and every non-NORMAL token attribute."""
+        lib, vocab = self.lib, self.vocab
+        n = lib.llama_vocab_n_tokens(vocab)
+        roles = [
+            "bos",
+            "eos",
+            "eot",
+            "sep",
+            "pad",
+            "fim_pre",
+            "fim_suf",
+            "fim_mid",
+            "fim_pad",
+            "fim_rep",
+            "fim_sep",
+        ]
+        special = {role: getattr(lib, f"llama_vocab_{role}")(vocab) for role in roles}
+        attrs = {}
+        for token in range(n):
+            attr = int(lib.llama_vocab_get_attr(vocab, token))
+            if attr != 4:  # LLAMA_TOKEN_ATTR_NORMAL
+                attrs[str(token)] = attr
+        return {
+            "n_tokens": n,
+            "special": {role: (None if value < 0 else value) for role, value in special.items()},
+            "add_bos": bool(lib.llama_vocab_get_add_bos(vocab)),
+            "add_eos": bool(lib.llama_vocab_get_add_eos(vocab)),
+            "eog": [t for t in range(n) if lib.llama_vocab_is_eog(vocab, t)],
+            "attrs": attrs,
+        }
+
     def pieces(self, ids: list[int]) -> bytes:
         out = bytearray()
         for token in ids:
@@ -464,6 +499,7 @@ def record(name: str, path: Path, texts: list[str]) -> None:
         "file": path.name,
         "sha256": sha,
         "llama_cpp_python": oracle.lib.__version__,
+        "vocab_facts": oracle.vocab_facts(),
         "cases": cases,
     }
     (OUT_DIR / f"{name}.json").write_text(
