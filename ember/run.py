@@ -578,8 +578,16 @@ def _on_sigterm(signum: int, frame: Any) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run Hydra with `argv` (default: the command line) and return the process exit status."""
+    saved_argv = sys.argv
     if argv is not None:
-        sys.argv = [sys.argv[0], *argv]
+        sys.argv = [sys.argv[0] if sys.argv else "ember.run", *argv]
+    try:
+        return _main()
+    finally:
+        sys.argv = saved_argv
+
+
+def _main() -> int:
     _EXIT_CODES.clear()
     tracking.quiet_mlflow_logging()
     previous = signal.signal(signal.SIGTERM, _on_sigterm)

@@ -1,0 +1,330 @@
+"""`python -m ember.run` end to end on SmolLM2, checked through the MLflow store it writes.
+
+Most runs go through `ember.run.main(argv)` in this process (the model stays loaded between tests,
+as it does between the jobs of a sweep); the README's exact commands, user mistakes, Ctrl-C and the
+parallel sweep run as real subprocesses. All runs share one SQLite store (creating a store costs
+seconds); each test has its own MLflow experiment.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ember import run as runner
+
+REPO = Path(__file__).resolve().parent.parent
+TESTS = Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory, smollm2_path):
+    """A folder to run from: the default store lands in its outputs/."""
+    path = tmp_path_factory.mktemp("ember_run")
+    saved = os.getcwd()
+    os.chdir(path)
+    yield path
+    os.chdir(saved)
+
+
+@pytest.fixture(autouse=True)
+def _no_outside_store(monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+
+
+def client(workdir: Path):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(f"sqlite:///{workdir / 'outputs' / 'mlflow.db'}")
+
+
+def runs_of(workdir: Path, experiment: str) -> list:
+    mlflow = client(workdir)
+    found = mlflow.get_experiment_by_name(experiment)
+    assert found is not None, f"no MLflow experiment {experiment!r}"
+    return mlflow.search_runs([found.experiment_id], max_results=1000)
+
+
+def only_run(workdir: Path, experiment: str):
+    runs = runs_of(workdir, experiment)
+    assert len(runs) == 1, [r.info.run_name for r in runs]
+    return runs[0]
+
+
+def artifact(workdir: Path, run, path: str) -> Path:
+    target = workdir / "downloads" / run.info.run_id
+    target.mkdir(parents=True, exist_ok=True)
+    return Path(client(workdir).download_artifacts(run.info.run_id, path, str(target)))
+
+
+def artifact_paths(workdir: Path, run) -> set[str]:
+    mlflow = client(workdir)
+    out: set[str] = set()
+
+    def walk(path: str | None) -> None:
+        for item in mlflow.list_artifacts(run.info.run_id, path):
+            if item.is_dir:
+                walk(item.path)
+            else:
+                out.add(item.path)
+
+    walk(None)
+    return out
+
+
+def metric_steps(workdir: Path, run, key: str) -> dict[int, float]:
+    return {m.step: m.value for m in client(workdir).get_metric_history(run.info.run_id, key)}
+
+
+def run_main(*args: str) -> int:
+    return runner.main(list(args))
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "HYDRA_FULL_ERROR")}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(TESTS), env.get("PYTHONPATH", "")])
+    env.update(extra)
+    return env
+
+
+def ember_run(workdir: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "ember.run", *args], cwd=workdir, env=subprocess_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+# ------------------------------------------------------------------------------------ single runs
+
+
+def test_quick_start_command_runs_the_default_model(workdir):
+    done = ember_run(workdir)  # exactly `python -m ember.run`
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("The capital of France is")
+    assert "Traceback" not in done.stderr
+    run = only_run(workdir, "ember")
+    assert run.info.status == "FINISHED" and run.info.run_name == "generate smollm2-135m"
+    assert run.data.metrics["tokens.generated"] > 0
+
+
+def test_zero_layer_run_records_params_tags_metrics_artifacts(workdir):
+    assert run_main("experiment=zero_layer", "layer=7", "max_new_tokens=4",
+                    "mlflow.experiment_name=t_zero") == 0
+    run = only_run(workdir, "t_zero")
+    assert run.info.status == "FINISHED"
+    assert run.info.run_name == "zero_layer_output[layer=7] smollm2-135m"
+
+    params = run.data.params
+    assert params["model.source"] == "smollm2-135m" and params["experiments.0.name"] == "zero_layer_output"
+    assert params["experiments.0.layer"] == "7" and params["max_new_tokens"] == "4"
+    overrides = "experiment=zero_layer layer=7 max_new_tokens=4 mlflow.experiment_name=t_zero"
+    assert params["hydra.overrides"] == overrides
+
+    tags = run.data.tags
+    for key in ("ember.version", "ember.git_commit", "ember.git_dirty", "ember.config_digest", "model.sha256",
+                "model.size_bytes", "model.architecture", "model.family", "model.quantization_mix",
+                "numpy.version", "numpy.blas", "numpy.blas_threads", "ember.threads", "python.version",
+                "platform"):
+        assert tags.get(key), key
+    assert tags["model.architecture"] == "llama" and tags["model.family"] == "llama"
+    assert json.loads(tags["model.quantization_mix"]) == {"F32": 61, "Q4_1": 210, "Q8_0": 1}
+    assert len(tags["model.sha256"]) == 64 and len(tags["ember.config_digest"]) == 64
+    assert tags["ember.git_dirty"] in ("true", "false")
+
+    metrics = run.data.metrics
+    for key in ("model.load_seconds", "tokens.prompt", "tokens.generated", "prefill.tokens_per_second",
+                "decode.tokens_per_second", "zero_layer_output.zeroed_tensors"):
+        assert key in metrics, key
+    assert metrics["tokens.generated"] == 4 and metrics["zero_layer_output.zeroed_tensors"] > 0
+
+    # intervention effect: per-step series (step = generated token index) and a summary
+    kl = metric_steps(workdir, run, "effect.kl")
+    assert sorted(kl) == [0, 1, 2, 3] and all(v >= 0 for v in kl.values()) and max(kl.values()) > 1e-4
+    assert sorted(metric_steps(workdir, run, "effect.top1_agree")) == [0, 1, 2, 3]
+    assert "effect.first_divergent_step" in metrics and 0 <= metrics["effect.top1_agreement"] <= 1
+    assert tags["ember.intervention_effect"] != "none: logits equal the clean model's"
+
+    paths = artifact_paths(workdir, run)
+    assert {"config.yaml", "generation.json", "generation.txt", "intervention_effect.json",
+            "experiments/zero_layer_output/zeroed.json"} <= paths
+    generation = json.loads(artifact(workdir, run, "generation.json").read_text())
+    assert len(generation["token_ids"]) == 4 and generation["complete"] is True
+    assert "layer: 7" in artifact(workdir, run, "config.yaml").read_text()
+
+
+def test_activation_stats_logs_per_layer_series_arrays_and_a_figure(workdir):
+    assert run_main("experiment=activation_stats", "prompt=Hello there", "max_new_tokens=2",
+                    "mlflow.experiment_name=t_stats") == 0
+    run = only_run(workdir, "t_stats")
+    assert run.info.status == "FINISHED" and run.data.params["prompt"] == "Hello there"
+    rms = metric_steps(workdir, run, "activation_stats.prefill/after_layer/rms")
+    assert sorted(rms) == list(range(30)) and all(v > 0 for v in rms.values())
+    paths = artifact_paths(workdir, run)
+    assert "experiments/activation_stats/rms_by_layer.png" in paths
+    assert "experiments/activation_stats/activation_stats.csv" in paths
+    png = artifact(workdir, run, "experiments/activation_stats/rms_by_layer.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 10_000
+    array = np.load(artifact(workdir, run, "experiments/activation_stats/prefill/rms.npy"))
+    assert array.shape == (4, 30) and np.allclose(array[3], [rms[i] for i in range(30)], rtol=1e-6)
+    # an observer writes nothing: no clean-model comparison is made
+    assert not any(k.startswith("effect.") for k in run.data.metrics)
+
+
+def test_custom_experiment_from_the_experiments_folder(workdir, monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO))
+    assert run_main("experiment=steering", "max_new_tokens=3", "mlflow.experiment_name=t_steer") == 0
+    run = only_run(workdir, "t_steer")
+    assert run.info.status == "FINISHED"
+    assert run.info.run_name == "steering_vector[layer=6] smollm2-135m"
+    assert run.data.metrics["steering_vector.steered_positions"] > 0
+    assert run.data.metrics["effect.kl_max"] > 1e-3
+    assert run.data.params["experiments.0._target_"] == "experiments.steering_vector.SteeringVector"
+
+
+def test_vacuous_intervention_is_flagged(workdir):
+    assert run_main("experiments=[{_target_:run_support.ScaleByOne,layer:2}]", "max_new_tokens=3",
+                    "mlflow.experiment_name=t_vacuous") == 0
+    run = only_run(workdir, "t_vacuous")
+    assert run.data.tags["ember.intervention_effect"] == "none: logits equal the clean model's"
+    assert run.data.metrics["effect.kl_max"] < 1e-6 and run.data.metrics["effect.top1_agreement"] == 1.0
+    assert run.data.metrics["effect.first_divergent_step"] == -1
+
+
+def test_effect_can_be_turned_off(workdir):
+    assert run_main("experiment=zero_layer", "layer=7", "max_new_tokens=2", "intervention_effect=false",
+                    "mlflow.experiment_name=t_no_effect") == 0
+    run = only_run(workdir, "t_no_effect")
+    assert not any(k.startswith("effect.") for k in run.data.metrics)
+
+
+def test_failing_experiment_gives_a_failed_run_with_its_record(workdir, capsys):
+    code = run_main("experiments=[{_target_:run_support.FailAtDecode,layer:3,decode_step:2}]",
+                    "max_new_tokens=6", "mlflow.experiment_name=t_fail")
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "experiment 'fail_at_decode' failed in after_mlp (phase=decode, layer=3): planned failure" in err
+    run = only_run(workdir, "t_fail")
+    assert run.info.status == "FAILED"
+    record = json.loads(artifact(workdir, run, "failure.json").read_text())
+    assert record["experiment"] == "fail_at_decode" and record["hook"] == "after_mlp"
+    assert record["phase"] == "decode" and record["layer"] == 3
+    assert "planned failure on decode evaluation 2" in record["message"]
+    assert record["generated_token_count"] == 2 and len(record["token_ids"]) == 2
+    tags = run.data.tags
+    assert tags["ember.failure.hook"] == "after_mlp" and tags["ember.failure.layer"] == "3"
+    # what the experiment had recorded before failing is kept
+    assert run.data.metrics["fail_at_decode.calls"] == 3  # prefill + 2 decode evaluations
+    assert "experiments/fail_at_decode/calls.json" in artifact_paths(workdir, run)
+    assert run.data.metrics["tokens.generated"] == 2
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["experiment=zero_layer", "layer=30"], "layer=30 is out of range: this model has 30 layers (0..29)"),
+        (["max_new_tokens=100000"], "max_new_tokens=100000 cannot fit: the context holds 8192 tokens"),
+        (["sampling.top_p=two"], "sampling.top_p must be a number, got 'two'"),
+    ],
+)
+def test_user_mistakes_end_with_one_message_and_exit_2(workdir, args, message):
+    done = ember_run(workdir, *args, "mlflow.experiment_name=t_mistakes")
+    assert done.returncode == 2
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert lines == [f"ember: {lines[0][len('ember: '):]}"] and message in lines[0], done.stderr
+    assert "Traceback" not in done.stderr + done.stdout
+
+
+def test_ctrl_c_closes_the_run_as_killed(workdir):
+    process = subprocess.Popen(
+        [sys.executable, "-m", "ember.run", "max_new_tokens=4000", "mlflow.experiment_name=t_kill"],
+        cwd=workdir, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            found = client(workdir).get_experiment_by_name("t_kill")
+            runs = client(workdir).search_runs([found.experiment_id]) if found else []
+            if runs and runs[0].data.tags.get("ember.model_cache"):  # the model is loaded, generating
+                break
+            time.sleep(0.5)
+        else:
+            pytest.fail("the run never started")
+        time.sleep(1.0)
+        process.send_signal(signal.SIGINT)
+        out, err = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 130, err
+    run = only_run(workdir, "t_kill")
+    assert run.info.status == "KILLED"
+    assert "Traceback" not in err
+
+
+# ------------------------------------------------------------------------------------ sweeps
+
+
+def sweep_runs(workdir: Path, experiment: str):
+    runs = runs_of(workdir, experiment)
+    parents = [r for r in runs if r.data.tags.get("ember.sweep") == "true"]
+    assert len(parents) == 1
+    parent = parents[0]
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    assert len(children) == len(runs) - 1, "every run of the sweep is a child of its parent"
+    return parent, sorted(children, key=lambda r: int(r.data.tags["ember.job"]))
+
+
+def test_sweep_is_one_parent_run_and_reuses_the_loaded_model(workdir):
+    runner._MODELS.clear()
+    assert run_main("-m", "experiment=zero_layer", "layer=0,1,2,3", "max_new_tokens=2",
+                    "mlflow.experiment_name=t_sweep") == 0
+    parent, children = sweep_runs(workdir, "t_sweep")
+    assert parent.info.status == "FINISHED" and len(children) == 4
+    assert [c.data.params["experiments.0.layer"] for c in children] == ["0", "1", "2", "3"]
+    assert all(c.info.status == "FINISHED" for c in children)
+    assert [c.data.tags["ember.model_cache"] for c in children] == ["miss", "hit", "hit", "hit"]
+    assert children[0].data.metrics["model.load_seconds"] > 0
+    assert all(c.data.metrics["model.load_seconds"] == 0 for c in children[1:])
+    assert parent.data.tags["ember.sweep.failed_jobs"] == "none"
+
+
+def test_sweep_with_a_failed_job_runs_the_others_and_names_it(workdir, capsys):
+    code = run_main("-m", "experiments=[{_target_:run_support.FailAtDecode,layer:1,decode_step:1}],[]",
+                    "max_new_tokens=2", "layer=0,99", "mlflow.experiment_name=t_sweep_fail")
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "failed job(s) of 4" in err
+    parent, children = sweep_runs(workdir, "t_sweep_fail")
+    assert len(children) == 4 and parent.info.status == "FAILED"
+    statuses = {c.data.tags["ember.overrides"]: c.info.status for c in children}
+    assert sorted(statuses.values()) == ["FAILED", "FAILED", "FAILED", "FINISHED"]
+    assert [o for o, s in statuses.items() if s == "FINISHED"] == ["experiments=[] max_new_tokens=2 layer=0 "
+                                                                    "mlflow.experiment_name=t_sweep_fail"]
+    failed_tag = parent.data.tags["ember.sweep.failed_jobs"]
+    assert "layer=99" in failed_tag and "planned failure" in failed_tag
+    assert failed_tag.count("job #") == 3
+
+
+@pytest.mark.slow
+def test_parallel_sweep_of_8_jobs_with_4_workers_leaves_8_child_runs(workdir):
+    started = time.perf_counter()
+    done = ember_run(workdir, "-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=4",
+                     "experiment=zero_layer", "layer=0,1,2,3,4,5,6,7", "max_new_tokens=2",
+                     "mlflow.experiment_name=t_parallel", timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    parent, children = sweep_runs(workdir, "t_parallel")
+    assert len(children) == 8 and parent.info.status == "FINISHED"
+    assert sorted(int(c.data.params["experiments.0.layer"]) for c in children) == list(range(8))
+    assert all(c.info.status == "FINISHED" for c in children)
+    cores = len(os.sched_getaffinity(0))
+    assert {c.data.tags["ember.workers"] for c in children} == {"4"}
+    assert {c.data.tags["ember.threads"] for c in children} == {str(max(1, cores // 4))}
+    assert {c.data.tags["numpy.blas_threads"] for c in children} == {str(max(1, cores // 4))}
+    print(f"parallel sweep of 8 jobs: {time.perf_counter() - started:.1f} s")
