@@ -15,7 +15,9 @@ returns:
 * `pieces`: the concatenated llama_token_to_piece(t, lstrip=0, special=False) of `special`
 
 and, per vocabulary, `vocab_facts`: the special ids, add_bos/add_eos, the EOG set and the attribute of
-every token that is not plain NORMAL (after llama.cpp's load-time rules).
+every token that is not plain NORMAL (after llama.cpp's load-time rules); and `whole_vocab`: every
+NORMAL token's printed text tokenized alone (add_special=False, parse_special=False), keeping only the
+tokens whose result is not just themselves.
 
 Byte strings are stored as text when they are valid UTF-8, else as {"hex": ...}. The vocabularies are
 SmolLM2-135M-Instruct and Gemma 3 270M (real files, given by path) and llama.cpp's own vocab fixtures
@@ -465,6 +467,25 @@ class Oracle:
             "attrs": attrs,
         }
 
+    def whole_vocab(self) -> dict:
+        """Each NORMAL token's printed text tokenized on its own; only results other than [id] are kept."""
+        lib, vocab = self.lib, self.vocab
+        checked, other = 0, {}
+        for token in range(lib.llama_vocab_n_tokens(vocab)):
+            if int(lib.llama_vocab_get_attr(vocab, token)) != 4:
+                continue
+            try:
+                text = self.pieces([token]).decode("utf-8")
+            except UnicodeDecodeError:
+                continue
+            if not text:
+                continue
+            checked += 1
+            ids = self.tokenize(text, False, False)
+            if ids != [token]:
+                other[str(token)] = ids
+        return {"checked": checked, "other": other}
+
     def pieces(self, ids: list[int]) -> bytes:
         out = bytearray()
         for token in ids:
@@ -500,6 +521,7 @@ def record(name: str, path: Path, texts: list[str]) -> None:
         "sha256": sha,
         "llama_cpp_python": oracle.lib.__version__,
         "vocab_facts": oracle.vocab_facts(),
+        "whole_vocab": oracle.whole_vocab(),
         "cases": cases,
     }
     (OUT_DIR / f"{name}.json").write_text(

@@ -89,3 +89,43 @@ def test_stream_decoder_matches_pieces(name: str) -> None:
     for text, case in zip(corpus(), recorded(name)["cases"], strict=True):
         expected = as_bytes(case["pieces"]).decode("utf-8", errors="replace")
         assert stream(tok, case["special"]) == expected, text[:60]
+
+
+def whole_vocab_mismatches(tok: Tokenizer, name: str) -> list[int]:
+    """NORMAL tokens whose printed text, tokenized alone, gives other ids than llama.cpp's."""
+    record = recorded(name)["whole_vocab"]
+    other = {int(k): v for k, v in record["other"].items()}
+    checked, bad = 0, []
+    for token, attr in enumerate(tok.vocab.attrs):
+        if attr != 4:
+            continue
+        try:
+            text = tok.token_to_piece(token).decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+        if not text:
+            continue
+        checked += 1
+        if tok.encode(text, add_bos=False) != other.get(token, [token]):
+            bad.append(token)
+    assert checked == record["checked"]
+    return bad
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["gpt-2", "refact", "llama-spm"]
+    + [pytest.param(n, marks=pytest.mark.slow) for n in ("qwen2", "qwen35", "llama-bpe", "gemma-4")],
+)
+def test_fixture_whole_vocabulary(name: str) -> None:
+    tok = Tokenizer.from_gguf(GGUFFile.open(DATA / "vocab" / f"ggml-vocab-{name}.gguf"))
+    assert whole_vocab_mismatches(tok, name) == []
+
+
+def test_smollm2_whole_vocabulary(smollm2_path) -> None:
+    assert whole_vocab_mismatches(Tokenizer.from_gguf(smollm2_path), "smollm2") == []
+
+
+@pytest.mark.slow
+def test_gemma3_whole_vocabulary(gemma3_path) -> None:
+    assert whole_vocab_mismatches(Tokenizer.from_gguf(gemma3_path), "gemma3") == []
