@@ -191,3 +191,11 @@ def test_stream_decoder_hides_control_tokens() -> None:
     assert "".join(stream(qwen, ids)) == "Hi"
     decoder = qwen.stream_decoder(special=True)
     assert "".join(decoder.push(t) for t in ids) == "<|im_start|>Hi<|im_end|>"
+
+
+def test_text_that_is_not_unicode_is_refused() -> None:
+    tok = fixture("gpt-2")
+    with pytest.raises(TokenizerError, match="surrogate"):
+        tok.encode("a\udc80b")
+    with pytest.raises(TokenizerError, match="str"):
+        tok.encode(b"bytes")

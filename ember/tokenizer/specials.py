@@ -8,7 +8,7 @@ cut out as a token is never searched again. Matching is on the raw text: no norm
 
 from __future__ import annotations
 
-import regex
+import re
 
 from ember.tokenizer.vocab import ATTR_CONTROL, ATTR_UNKNOWN, ATTR_USER_DEFINED, Vocab
 
@@ -36,7 +36,7 @@ class SpecialSplitter:
             else:
                 self._buckets.setdefault(text[:_PREFIX], []).append(i)
         starts = sorted({t[0] for t in self._text.values() if len(t) >= _PREFIX})
-        self._starts = regex.compile("[" + "".join(regex.escape(c) for c in starts) + "]") if starts else None
+        self._starts = re.compile("[" + "".join(re.escape(c) for c in starts) + "]") if starts else None
 
     def _present(self, text: str, parse_special: bool) -> list[int]:
         found: set[int] = set()

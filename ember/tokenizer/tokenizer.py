@@ -102,6 +102,16 @@ class Tokenizer:
         parse_special: also turn the text of CONTROL tokens (`<|im_start|>`) into those tokens;
         USER_DEFINED tokens are matched either way, as llama.cpp does.
         """
+        if not isinstance(text, str):
+            raise TokenizerError(f"encode expects a str, got {type(text).__name__}")
+        if not text.isascii():
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as error:
+                raise TokenizerError(
+                    f"cannot tokenize text holding a lone surrogate ({error.object[error.start]!r} at "
+                    f"position {error.start}); it has no UTF-8 form"
+                ) from None
         vocab = self.vocab
         out: list[int] = []
         want_bos = vocab.add_bos if add_bos is None else add_bos
