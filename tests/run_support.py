@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from ember.experiments import Experiment, ExperimentError, ExperimentResult, Metric
 from ember.experiments.context import ExecutionPhase, LayerContext, TensorAccess
 
@@ -43,3 +45,28 @@ class ScaleByOne(Experiment):
     def after_layer(self, ctx: LayerContext, hidden: TensorAccess) -> None:
         if ctx.layer_index == self.layer:
             hidden.values_mut()[...] *= 1.0
+
+
+_TEMPLATE_STORE: list = []
+
+
+def prepared_store(outputs: Path) -> Path:
+    """An empty, migrated MLflow SQLite store at `outputs/mlflow.db`.
+
+    Creating a store runs MLflow's schema migrations (seconds); this is done once per test session
+    and the empty database file is copied for every test module that needs a fresh store.
+    """
+    import shutil
+    import tempfile
+
+    if not _TEMPLATE_STORE:
+        from mlflow.tracking import MlflowClient
+
+        folder = Path(tempfile.mkdtemp(prefix="ember_store_template_"))
+        MlflowClient(f"sqlite:///{folder / 'mlflow.db'}").search_experiments()
+        _TEMPLATE_STORE.append(folder / "mlflow.db")
+    outputs.mkdir(parents=True, exist_ok=True)
+    target = outputs / "mlflow.db"
+    if not target.exists():
+        shutil.copyfile(_TEMPLATE_STORE[0], target)
+    return target

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from run_support import prepared_store
 
 from ember import run as runner
 
@@ -29,6 +30,7 @@ TESTS = Path(__file__).resolve().parent
 def workdir(tmp_path_factory, smollm2_path):
     """A folder to run from: the default store lands in its outputs/."""
     path = tmp_path_factory.mktemp("ember_run")
+    prepared_store(path / "outputs")
     saved = os.getcwd()
     os.chdir(path)
     yield path
