@@ -15,12 +15,19 @@ import dataclasses
 
 import numpy as np
 import pytest
+from gguf import GGMLQuantizationType
 
 from ember.experiments.context import ExecutionPhase
 from ember.families.gemma4 import build_config, build_forward
 from ember.gguf_file import GGUFFile
 from ember.weights import WeightStore
-from tests.reference.gemma4_gguf import Gemma4Spec, random_state, tiny_gemma4_vocab, write_gguf
+from tests.reference.gemma4_gguf import (
+    Gemma4Spec,
+    dequantized_state,
+    random_state,
+    tiny_gemma4_vocab,
+    write_gguf,
+)
 
 pytestmark = [pytest.mark.reference]
 
@@ -101,20 +108,27 @@ def compare(ours: list[dict], theirs) -> dict[str, float]:
     return worst
 
 
-SPECS = {
-    "base": {},
-    "k_eq_v": {"attention_k_eq_v": True, "num_global_key_value_heads": 1},
+K_EQ_V = {"attention_k_eq_v": True, "num_global_key_value_heads": 1}
+CASES = {  # name: (spec changes, file type)
+    "base": ({}, GGMLQuantizationType.F32),
+    "k_eq_v": (K_EQ_V, GGMLQuantizationType.F32),
+    # a Q8_0 file (every table quantized, the LM head streamed from Q8_0 rows): HF gets exactly the
+    # dequantized weights, so the tolerance stays the same
+    "k_eq_v-q8_0": (K_EQ_V, GGMLQuantizationType.Q8_0),
 }
 
 
-@pytest.fixture(scope="module", params=sorted(SPECS))
+@pytest.fixture(scope="module", params=sorted(CASES))
 def case(request, tmp_path_factory):
     from tests.reference.gemma4_reference import build_hf, capture
 
-    spec = Gemma4Spec(vocab_size=len(tiny_gemma4_vocab().tokens), **SPECS[request.param])
+    changes, qtype = CASES[request.param]
+    spec = Gemma4Spec(vocab_size=len(tiny_gemma4_vocab().tokens), **changes)
     state = random_state(spec, seed=7)
+    path = write_gguf(tmp_path_factory.mktemp("gemma4") / f"{request.param}.gguf", spec, state, qtype=qtype)
+    if qtype != GGMLQuantizationType.F32:
+        state = dequantized_state(path, spec)
     model = build_hf(spec, state)
-    path = write_gguf(tmp_path_factory.mktemp("gemma4") / f"{request.param}.gguf", spec, state)
     return request.param, spec, model, path, capture(model, PROMPT, DECODE)
 
 
