@@ -20,8 +20,9 @@ NORMAL token's printed text tokenized alone (add_special=False, parse_special=Fa
 tokens whose result is not just themselves.
 
 Byte strings are stored as text when they are valid UTF-8, else as {"hex": ...}. The vocabularies are
-SmolLM2-135M-Instruct and Gemma 3 270M (real files, given by path) and llama.cpp's own vocab fixtures
-in tests/data/vocab/.
+SmolLM2-135M-Instruct and Gemma 3 270M (real files, given by path), llama.cpp's own vocab fixtures
+in tests/data/vocab/, and `gpt-2-default`: GPT-2's fixture rewritten with `tokenizer.ggml.pre =
+"default"` (llama.cpp's fallback pre-tokenizer; its `sha256` is of that temporary copy).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import ctypes
 import hashlib
 import json
 import random
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -530,6 +532,26 @@ def record(name: str, path: Path, texts: list[str]) -> None:
     print(f"{name}: {len(cases)} cases")
 
 
+def gguf_variant(source: Path, target: Path, overrides: dict[str, str]) -> Path:
+    """A vocab-only copy of `source` with some string keys replaced (e.g. another pre-tokenizer)."""
+    import gguf
+
+    reader = gguf.GGUFReader(source)
+    arch = str(reader.fields["general.architecture"].contents())
+    writer = gguf.GGUFWriter(target, arch)
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        value = overrides.get(name, field.contents())
+        sub_type = field.types[1] if len(field.types) > 1 else None
+        writer.add_key_value(name, value, field.types[0], sub_type=sub_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return target
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--smollm2", type=Path, required=True, help="SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -545,6 +567,13 @@ def main() -> None:
     record("gemma3", args.gemma3, texts)
     for name in FIXTURE_VOCABS:
         record(name, VOCAB_DIR / f"ggml-vocab-{name}.gguf", texts)
+    with tempfile.TemporaryDirectory() as tmp:  # the `default` pre-tokenizer, on GPT-2's vocabulary
+        variant = gguf_variant(
+            VOCAB_DIR / "ggml-vocab-gpt-2.gguf",
+            Path(tmp) / "gpt-2-default.gguf",
+            {"tokenizer.ggml.pre": "default"},
+        )
+        record("gpt-2-default", variant, texts)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""ember's tokenizer against real llama.cpp on a 373-string corpus, for nine vocabularies.
+"""ember's tokenizer against real llama.cpp on a 373-string corpus, for nine vocabularies (plus GPT-2's
+with the `default` pre-tokenizer).
 
 The ids were recorded once by scripts/record_tokenizer_ids.py with llama-cpp-python 0.3.36 (see its
 docstring for what each field is). Nothing here needs llama.cpp at test time.
@@ -67,6 +68,15 @@ def stream(tok: Tokenizer, ids: list[int]) -> str:
 def test_fixture_vocab_corpus(name: str) -> None:
     tok = Tokenizer.from_gguf(GGUFFile.open(DATA / "vocab" / f"ggml-vocab-{name}.gguf"))
     assert mismatches(tok, name) == []
+
+
+def test_default_pre_tokenizer_corpus() -> None:
+    """llama.cpp's fallback pre-tokenizer (`default`, also used when `pre` is missing), on GPT-2's vocab."""
+    metadata = dict(GGUFFile.open(DATA / "vocab" / "ggml-vocab-gpt-2.gguf").metadata)
+    metadata["tokenizer.ggml.pre"] = "default"
+    tok = Tokenizer.from_metadata(metadata)
+    assert mismatches(tok, "gpt-2-default") == []
+    assert whole_vocab_mismatches(tok, "gpt-2-default") == []
 
 
 def test_smollm2_corpus(smollm2_path) -> None:
