@@ -83,6 +83,13 @@ def test_gemma4_fixture_template_uses_its_bos_text() -> None:
     assert ids[:3] == [tok.bos_id, 105, 2364]  # <bos> <|turn> user
 
 
+def test_encode_chat_gives_one_bos() -> None:
+    tok = Tokenizer.from_gguf(GGUFFile.open(DATA / "vocab" / "ggml-vocab-gemma-4.gguf"))
+    ids = tok.encode_chat(CONVERSATION[:1])
+    assert ids[:3] == [tok.bos_id, 105, 2364] and ids.count(tok.bos_id) == 1
+    assert ids == tok.encode(tok.apply_chat_template(CONVERSATION[:1]), add_bos=False, parse_special=True)
+
+
 def test_no_template_is_a_clear_error() -> None:
     tok = Tokenizer.from_gguf(GGUFFile.open(DATA / "vocab" / "ggml-vocab-gpt-2.gguf"))
     assert not tok.has_chat_template

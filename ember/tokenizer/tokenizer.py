@@ -183,6 +183,19 @@ class Tokenizer:
                                       eos_token=self._special_text(self.eos_id))
         return self._chat.render(messages, add_generation_prompt=add_generation_prompt, **extra)
 
+    def encode_chat(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
+                    **extra: Any) -> list[int]:
+        """Render the chat template and tokenize the prompt the way llama-server does.
+
+        A leading BOS text (Gemma templates print `<bos>`) is dropped when the tokenizer adds BOS itself,
+        so the prompt starts with exactly one BOS; then `encode(..., parse_special=True)`.
+        """
+        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **extra)
+        bos_text = self._special_text(self.bos_id)
+        if self.add_bos and bos_text and text.startswith(bos_text):
+            text = text[len(bos_text):]
+        return self.encode(text, parse_special=True)
+
     def _special_text(self, token: int | None) -> str:
         if token is None:
             return ""
