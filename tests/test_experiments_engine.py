@@ -332,3 +332,18 @@ def test_decode_allocates_no_activation_sized_block(model: Any, decode_memory: t
     row_bytes = model.config.hidden_size * 4
     _, peak = decode_memory
     assert peak < row_bytes, f"decode allocated up to {peak} bytes at once (a row is {row_bytes})"
+
+
+def test_writing_through_values_fails_the_experiment(model: Any, prompt_ids: list[int]) -> None:
+    class Sneaky(Experiment):
+        name = "sneaky"
+
+        def after_mlp(self, ctx, mlp_output):
+            mlp_output.values()[0, 0] = 1.0
+
+    with pytest.raises(ExperimentFailure) as caught:
+        model.generate(prompt_ids, max_new_tokens=2, experiments=[Sneaky()])
+    assert str(caught.value).startswith(
+        "experiment 'sneaky' failed in after_mlp (phase=prefill, layer=0): ValueError: ")
+    assert isinstance(caught.value.__cause__, ValueError)
+    assert caught.value.generation.token_ids == []
