@@ -318,15 +318,20 @@ def check_model_fit(
             f"({context_length} tokens)"
         )
     context = run.model.context_length or context_length
+    if context < context_length:
+        room = f"model.context_length={context}; this model supports up to {context_length}"
+    else:
+        room = "the model's whole context"
     if run.max_new_tokens >= context:
         raise ContextLengthError(
             f"max_new_tokens={run.max_new_tokens} cannot fit: the context holds {context} tokens "
-            "including the prompt"
+            f"including the prompt ({room})"
         )
     if prompt_token_count is not None and prompt_token_count + run.max_new_tokens > context:
         raise ContextLengthError(
             f"the prompt ({prompt_token_count} tokens) plus max_new_tokens={run.max_new_tokens} is "
-            f"{prompt_token_count + run.max_new_tokens} tokens, more than the context ({context})"
+            f"{prompt_token_count + run.max_new_tokens} tokens, more than the context holds "
+            f"({context}: {room})"
         )
 
 

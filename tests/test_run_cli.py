@@ -231,7 +231,9 @@ def test_failing_experiment_gives_a_failed_run_with_its_record(workdir, capsys):
     ("args", "message"),
     [
         (["experiment=zero_layer", "layer=30"], "layer=30 is out of range: this model has 30 layers (0..29)"),
-        (["max_new_tokens=100000"], "max_new_tokens=100000 cannot fit: the context holds 8192 tokens"),
+        (["max_new_tokens=100000"], "max_new_tokens=100000 cannot fit: the context holds 2048 tokens "
+                                    "including the prompt (model.context_length=2048; this model supports "
+                                    "up to 8192)"),
         (["sampling.top_p=two"], "sampling.top_p must be a number, got 'two'"),
     ],
 )

@@ -128,15 +128,18 @@ def test_builtins_build_with_their_parameters():
 def test_model_fit_checks_family_layer_and_lengths():
     run = parsed("layer=3")
     fit = dict(path="m.gguf", architecture="llama", family="llama", layer_count=30, context_length=64)
+    run = parsed("layer=3", "model.context_length=null")
     check_model_fit(run, **fit, prompt_token_count=5)
     with pytest.raises(ConfigError, match="model.family is 'gemma3' but m.gguf is a llama model"):
         check_model_fit(parsed("model=gemma3_270m"), **fit)
     with pytest.raises(ConfigError, match="layer=31 is out of range"):
         check_model_fit(parsed("layer=31"), **fit)
     with pytest.raises(ContextLengthError, match="max_new_tokens=64 cannot fit"):
-        check_model_fit(parsed("max_new_tokens=64"), **fit)
+        check_model_fit(parsed("max_new_tokens=64", "model.context_length=null"), **fit)
     with pytest.raises(ContextLengthError, match=r"the prompt \(60 tokens\) plus max_new_tokens=16"):
         check_model_fit(run, **fit, prompt_token_count=60)
+    with pytest.raises(ContextLengthError, match=r"holds \(32: model.context_length=32; this model supports"):
+        check_model_fit(parsed("model.context_length=32"), **fit, prompt_token_count=20)
     with pytest.raises(ContextLengthError, match="longer than the model's trained context"):
         check_model_fit(parsed("model.context_length=100"), **fit)
 
