@@ -19,7 +19,14 @@ from gguf import GGMLQuantizationType
 import ember
 from ember.config import RopeLayout
 from ember.errors import GGUFError
-from ember.experiments import Experiment, ModelFamily, ZeroLayerOutput
+from ember.experiments import (
+    ActivationStats,
+    Experiment,
+    ExperimentError,
+    ExperimentFailure,
+    ModelFamily,
+    ZeroLayerOutput,
+)
 from ember.experiments.adapters import DISABLED_HOOKS
 from ember.experiments.context import ExecutionPhase
 from ember.families import gemma4
@@ -378,3 +385,49 @@ def test_gemma4_tokenizer_and_chat_template_from_the_file(tiny) -> None:
     assert encoded[:2] == [2, 5] and 6 in encoded
     assert 1 in tokenizer.eog_ids
     assert dataclasses.is_dataclass(model.config)
+
+
+class FailAt(Experiment):
+    name = "failing"
+
+    def after_mlp(self, ctx, value):
+        if ctx.execution.phase is ExecutionPhase.DECODE and ctx.layer_index == 5:
+            raise ExperimentError("expected a finite activation")
+
+
+def test_a_failing_hook_stops_generation(tiny) -> None:
+    spec, model = tiny
+    with pytest.raises(ExperimentFailure) as caught:
+        model.generate(PROMPT, max_new_tokens=4, stop_at_eog=False, experiments=[FailAt()])
+    assert str(caught.value) == ("experiment 'failing' failed in after_mlp (phase=decode, layer=5): "
+                                 "expected a finite activation")
+    generation = caught.value.generation
+    assert not generation.complete and len(generation.token_ids) == 1
+
+
+def test_observation_is_bit_identical(tiny, monkeypatch) -> None:
+    spec, model = tiny
+
+    def run(experiments) -> tuple[list[int], list[bytes]]:
+        captured = []
+        forward = model._forward.forward
+
+        def capturing(*args, **kwargs):
+            logits = forward(*args, **kwargs)
+            captured.append(logits.tobytes())
+            return logits
+
+        monkeypatch.setattr(model._forward, "forward", capturing)
+        try:
+            generation = model.generate(PROMPT, max_new_tokens=5, stop_at_eog=False, temperature=0.8, seed=3,
+                                        experiments=experiments)
+        finally:
+            monkeypatch.undo()
+        return generation.token_ids, captured
+
+    plain = run([])
+    stats = ActivationStats()
+    observed = run([stats, Recording()])
+    assert observed == plain and len(plain[1]) == 5
+    rows = stats.rows()
+    assert len(rows) == 2 * (4 * spec.num_hidden_layers + 2) and all(r["nonfinite"] == 0 for r in rows)
