@@ -174,6 +174,12 @@ class Model:
             raise
         return result(stop_reason)
 
+    def chat(self, messages: Sequence[dict[str, Any]], **generate_options: Any) -> Generation:
+        """Generate the assistant's reply to `messages` ([{"role": ..., "content": ...}, ...]),
+        formatted with the model's chat template and tokenized as llama-server does."""
+        prompt_ids = self.tokenizer.encode_chat(list(messages))
+        return self.generate(prompt_ids, **generate_options)
+
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
         """Logits [T, V] of every position, from one clean prefill (no hooks) over a fresh cache."""
         ids = self.tokenize(token_ids)

@@ -42,10 +42,10 @@ def test_decode_step_matches_prefill_numerically(smollm2):
 
 def test_greedy_generation_is_sensible_and_repeatable(smollm2):
     messages = [{"role": "user", "content": "What is the capital of France?"}]
-    prompt = smollm2.tokenizer.apply_chat_template(messages)
-    first = smollm2.generate(prompt, max_new_tokens=12)
-    second = smollm2.generate(prompt, max_new_tokens=12)
+    first = smollm2.chat(messages, max_new_tokens=12)
+    second = smollm2.chat(messages, max_new_tokens=12)
     assert first.token_ids == second.token_ids
+    assert first.prompt_token_ids[:1] == [smollm2.tokenizer.bos_id]  # <|im_start|> parsed as a token
     assert "Paris" in first.text
 
 
