@@ -37,6 +37,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.machine_load import LoadMeter, self_and_children_cpu_seconds, wait_for_quiet
+
 ENGINES = ("ember", "llama.cpp", "transformers")
 REPO_ROOT = Path(__file__).resolve().parents[1]
 OPENBLAS_VARIABLES = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
@@ -69,7 +71,8 @@ class EmberEngine:
         self.load_seconds = time.perf_counter() - start
         self.details: dict[str, Any] = {
             "version": ember.__version__,
-            "reported_load_seconds": getattr(self.model, "load_seconds", None),
+            "reported_load_seconds": self.model.load_seconds,
+            "threads": self.model.threads,
         }
 
     def prefill(self, ids: list[int]) -> float:
@@ -77,14 +80,11 @@ class EmberEngine:
         return generation.timings.prefill_seconds
 
     def decode(self, ids: list[int], new_tokens: int) -> tuple[float, int]:
-        generation = self.model.generate(ids, max_new_tokens=new_tokens, temperature=0.0, add_bos=False)
+        generation = self.model.generate(
+            ids, max_new_tokens=new_tokens, temperature=0.0, add_bos=False, stop_at_eog=False
+        )
         timings = generation.timings
-        self.details["last_decode"] = {
-            "stop_reason": generation.stop_reason,
-            "generated": len(generation.token_ids),
-            "reported_decode_tokens_per_second": timings.decode_tokens_per_second,
-        }
-        return timings.decode_seconds, len(generation.token_ids) - 1
+        return timings.decode_seconds, timings.decode_evaluations
 
 
 class LlamaCppEngine:
@@ -227,11 +227,11 @@ def _encoder(gguf: Path) -> tuple[str, Any]:
     """A function encode(text, add_special) -> ids from the first tokenizer that can be had."""
     errors = []
     try:
-        from ember.gguf_file import GGUFFile
         from ember.tokenizer import Tokenizer
 
-        tokenizer = Tokenizer.from_gguf(GGUFFile.open(gguf))
-        return "ember", lambda text, special: list(tokenizer.encode(text, add_special=special))
+        tokenizer = Tokenizer.from_gguf(gguf)
+        # add_bos=None follows the model's rule, False adds nothing.
+        return "ember", lambda text, special: tokenizer.encode(text, add_bos=None if special else False)
     except Exception as error:  # noqa: BLE001
         errors.append(f"ember: {type(error).__name__}: {error}")
     try:
@@ -278,27 +278,29 @@ def resolve_gguf(args: argparse.Namespace) -> Path:
     return Path(resolve_model(args.model).path).resolve()
 
 
-def spawn(job: dict[str, Any], env: dict[str, str], workdir: Path, timeout: float) -> dict[str, Any]:
+def spawn(
+    job: dict[str, Any], env: dict[str, str], workdir: Path, args: argparse.Namespace
+) -> dict[str, Any]:
+    """Run one worker process; its result carries the load the rest of the machine put on it."""
     name = f"{job['engine']}-{job['phase']}-{job['repeat']}"
     job_path = workdir / f"{name}.job.json"
     job["result_path"] = str(workdir / f"{name}.result.json")
     job_path.write_text(json.dumps(job))
     command = [sys.executable, "-m", "benchmarks.bench", "--worker", str(job_path)]
+    failure = {"engine": job["engine"], "phase": job["phase"]}
+    wait_for_quiet(args.quiet_limit, args.max_wait)
     try:
-        completed = subprocess.run(
-            command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout
-        )
+        with LoadMeter(self_and_children_cpu_seconds) as meter:
+            completed = subprocess.run(
+                command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=args.timeout
+            )
     except subprocess.TimeoutExpired:
-        return {"engine": job["engine"], "phase": job["phase"], "error": f"timed out after {timeout:.0f} s"}
+        return failure | {"error": f"timed out after {args.timeout:.0f} s"}
     result_path = Path(job["result_path"])
     if not result_path.exists():
         tail = (completed.stderr or completed.stdout).strip().splitlines()[-5:]
-        return {
-            "engine": job["engine"],
-            "phase": job["phase"],
-            "error": f"worker exited {completed.returncode}: " + " | ".join(tail),
-        }
-    return json.loads(result_path.read_text())
+        return failure | {"error": f"worker exited {completed.returncode}: " + " | ".join(tail)}
+    return json.loads(result_path.read_text()) | {"foreign_cores": meter.foreign_cores}
 
 
 def median(values: list[float]) -> float | None:
@@ -320,6 +322,7 @@ def summarise(runs: list[dict[str, Any]], lengths: list[int]) -> dict[str, Any]:
         "peak_rss_mib": median([run["peak_rss_mib"] for run in warm]),
         "cold_peak_rss_mib": median([run["peak_rss_mib"] for run in cold]),
         "successful_runs": {"cold": len(cold), "warm": len(warm)},
+        "foreign_cores_max": max([run.get("foreign_cores", 0.0) for run in runs], default=None),
     }
     errors = sorted({run["error"] for run in runs if "error" in run})
     if errors:
@@ -375,6 +378,7 @@ def print_report(report: dict[str, Any]) -> None:
         (f"decode {report['new_tokens']} (tok/s)", lambda s: _cell(s["decode_tokens_per_second"])),
         ("peak RSS (MiB)", lambda s: _cell(s["peak_rss_mib"], 0)),
         ("cold-load peak RSS (MiB)", lambda s: _cell(s["cold_peak_rss_mib"], 0)),
+        ("others' load, max (cores)", lambda s: _cell(s["foreign_cores_max"], 2)),
     ]
     print(
         f"\n{report['model']} ({Path(report['gguf']).name}), threads={report['threads']}, "
@@ -419,6 +423,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--openblas-env", choices=("inherit", "unset"), default="inherit",
                         help=f"'unset' removes {' and '.join(OPENBLAS_VARIABLES)} from the workers' env")
     parser.add_argument("--timeout", type=float, default=1200, help="seconds allowed per worker process")
+    parser.add_argument("--quiet-limit", type=float, default=0.3,
+                        help="before each process, wait until other processes use fewer cores than this")
+    parser.add_argument("--max-wait", type=float, default=300, help="longest wait for a quiet machine (s)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -460,7 +467,7 @@ def main(argv: list[str] | None = None) -> None:
                 worker_env = dict(env, EMBER_CACHE=str(cache))
                 for phase in ("cold", "warm"):
                     job = dict(base_job, engine=engine, phase=phase, repeat=repeat)
-                    result = spawn(job, worker_env, Path(workdir), args.timeout)
+                    result = spawn(job, worker_env, Path(workdir), args)
                     result["repeat"] = repeat
                     runs[engine].append(result)
                     print(f"[{time.strftime('%H:%M:%S')}] repeat {repeat + 1}/{args.repeats} {engine} "
@@ -508,6 +515,7 @@ def _one_line(result: dict[str, Any]) -> str:
     if result.get("decode_tokens_per_second"):
         parts.append(f"decode {result['decode_tokens_per_second']:.1f} tok/s")
     parts.append(f"peak RSS {result['peak_rss_mib']:.0f} MiB")
+    parts.append(f"others used {result['foreign_cores']:.2f} cores")
     return ", ".join(parts)
 
 
