@@ -74,7 +74,7 @@ def test_config_reads_the_per_layer_geometry(tmp_path) -> None:
 
 
 def _rewrite(path, out, *, drop_key: str | None = None, drop_tensor: str | None = None,
-             replace: dict | None = None):
+             replace: dict | None = None, extra: dict | None = None):
     """Copy a GGUF file with one metadata key or tensor removed or replaced."""
     reader = gguf.GGUFReader(path)
     writer = gguf.GGUFWriter(out, "gemma4")
@@ -85,6 +85,8 @@ def _rewrite(path, out, *, drop_key: str | None = None, drop_tensor: str | None 
         kind = field.types[0]
         sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(field.name, value, kind, sub_type=sub)
+    for key, value in (extra or {}).items():
+        writer.add_uint32(key, value)
     for tensor in reader.tensors:
         if tensor.name != drop_tensor:
             shape = tuple(reversed(tensor.shape.tolist()))
@@ -109,6 +111,10 @@ def test_errors_name_what_is_wrong(tmp_path) -> None:
     pattern = [True, False, True, True, False, True, False]
     bad = _rewrite(path, tmp_path / "c.gguf", replace={"gemma4.attention.sliding_window_pattern": pattern})
     with pytest.raises(GGUFError, match="KV-shared layer"):
+        ember.load_model(bad, weight_cache=False)
+    # mixture-of-experts files (26B-A4B) are refused, not run without their experts
+    bad = _rewrite(path, tmp_path / "d.gguf", extra={"gemma4.expert_count": 128})
+    with pytest.raises(GGUFError, match="mixture-of-experts"):
         ember.load_model(bad, weight_cache=False)
 
 

@@ -115,6 +115,9 @@ CASES = {  # name: (spec changes, file type)
     # a Q8_0 file (every table quantized, the LM head streamed from Q8_0 rows): HF gets exactly the
     # dequantized weights, so the tolerance stays the same
     "k_eq_v-q8_0": (K_EQ_V, GGMLQuantizationType.Q8_0),
+    # the 31B-style dense layout: no PLE, no KV sharing, k_eq_v, and an untied LM head (`output.weight`)
+    "dense-untied": ({**K_EQ_V, "hidden_size_per_layer_input": 0, "num_kv_shared_layers": 0,
+                      "use_double_wide_mlp": False, "tie_word_embeddings": False}, GGMLQuantizationType.F32),
 }
 
 
@@ -160,6 +163,8 @@ def test_the_window_and_sharing_matter(case) -> None:
 
 def test_shared_layers_hold_no_cache(case) -> None:
     name, spec, model, path, reference = case
+    if not spec.num_kv_shared_layers:
+        pytest.skip("no KV sharing in this case")
     gguf = GGUFFile.open(path)
     config = build_config(gguf)
     forward = build_forward(config, WeightStore(gguf, cache_dir=False), 32)

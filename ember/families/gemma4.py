@@ -94,6 +94,9 @@ def build_config(gguf: GGUFFile) -> Gemma4Config:
     layer_count = meta.int("block_count")
     head_count = meta.int("attention.head_count")
 
+    if meta.int("expert_count", 0) or "blk.0.ffn_gate_inp.weight" in gguf.tensors:
+        raise GGUFError(f"{path}: this Gemma 4 file has mixture-of-experts layers (26B-A4B style), which "
+                        "ember does not support; the dense Gemma 4 models (E2B, E4B, 31B) are supported")
     pattern = meta.raw("attention.sliding_window_pattern")
     if pattern is None:
         gguf.require(f"{meta.arch}.attention.sliding_window_pattern")
