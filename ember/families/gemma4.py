@@ -1,11 +1,12 @@
-"""Gemma 4 text decoder (GGUF architecture `gemma4`, the dense E-series: E2B/E4B), families.md §3.
+"""Gemma 4 text decoder (GGUF architecture `gemma4`), families.md §3: the dense models (E2B/E4B with PLE
+and KV sharing, and the 31B-style layout without them). Mixture-of-experts files (26B-A4B) are refused.
 
 What differs from llama/qwen3, each explicit below: a per-layer pattern of sliding-window and full
 attention layers with their own head dim, rope base and KV head count; full layers rotate with
 `rope_freqs` factors ("proportional" partial rope); QK-norm and a weightless V-norm; V is the raw K
 projection when `attn_v` is absent; attention scale 1.0; the last `shared_kv_layers` layers attend to
 the K/V of an earlier layer and hold no cache of their own; four norms per block; per-layer embeddings
-(PLE); a per-layer output scalar; a tied LM head and a final logit softcap.
+(PLE); a per-layer output scalar; a (normally tied) LM head and a final logit softcap.
 
 Inputs: token ids t [T]; H hidden, P PLE width, L layers.
     h  = E[t] · √H                                            (the residual stream)
@@ -30,7 +31,7 @@ logits = c·tanh((z Eᵀ)/c),  c = final_logit_softcapping        → after_logi
 Memory: `token_embd` (also the LM head) and `per_layer_token_embd` are never dequantized whole. The
 forward asks the WeightStore for the rows of the evaluated tokens only, and the LM head streams the
 table through the logits in blocks of `LM_HEAD_BLOCK_VALUES` dequantized values (so every evaluation
-dequantizes the table once, block by block; see `TiedHead`). The price is time: for E2B's 262144 x 1536
+dequantizes the table once, block by block; see `StreamedLMHead`). The price is time: for E2B's 262144 x 1536
 table, measured per evaluation on a busy 2-core machine with one BLAS thread: Q8_0 0.7-1.6 s, BF16 0.6 s,
 F16 2.7 s, Q6_K 4.3 s and Q4_K 5.1 s (K-quants dequantize through gguf-py). The float32 copy it avoids
 is 1.5 GiB (the PLE table's would be 9 GiB).
@@ -279,7 +280,7 @@ def load_weights(store: WeightStore, config: Gemma4Config) -> Weights:
     )
 
 
-class TiedHead:
+class StreamedLMHead:
     """Logits = z Eᵀ without ever holding E dequantized whole.
 
     E (`token_embd`, or `output` when the head is not tied) is read in blocks of rows through
@@ -377,7 +378,7 @@ class Gemma4Forward:
         self.weights = weights
         self.store = store
         head_name = "token_embd.weight" if config.tied_embeddings else "output.weight"
-        self.lm_head = TiedHead(store, head_name, config.vocab_size, config.hidden_size)
+        self.lm_head = StreamedLMHead(store, head_name, config.vocab_size, config.hidden_size)
         self.inverse_frequency_full = _inverse_frequencies(config.rope_dim, config.rope_base,
                                                            weights.rope_freqs)
         self.inverse_frequency_swa = _inverse_frequencies(config.rope_dim_swa, config.rope_base_swa, None)
