@@ -2,6 +2,10 @@
 
 Generation runs the whole prompt as one batch (prefill), then one token at a time (decode) on a
 workspace preallocated for a single row, so decode allocates no activation per token.
+
+Besides experiments, `generate` takes an internal `observer` (a hooks adapter that records boundaries for
+dumps and extraction; never together with experiments), a `tracer` (ember.tracing) and `reuse_cache`
+(multi-turn chat: keep the cached prefix shared with the previous evaluation and prefill only the rest).
 """
 
 from __future__ import annotations
@@ -9,6 +13,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,9 +29,11 @@ from ember.experiments.results import ExperimentResult
 from ember.experiments.runner import ExperimentRunner
 from ember.families import FAMILIES
 from ember.gguf_file import GGUFFile
+from ember.kv_cache import SlidingWindowKV
 from ember.sampling import Sampler, SamplingSettings
 from ember.sources import ModelFile, resolve_model
 from ember.tokenizer import Tokenizer
+from ember.tracing import Tracer, TracingHooks
 from ember.weights import WeightStore
 
 
@@ -34,8 +41,9 @@ from ember.weights import WeightStore
 class Timings:
     prefill_seconds: float
     decode_seconds: float
-    prompt_tokens: int
+    prompt_tokens: int  # prompt tokens the prefill evaluated (without the reused cached prefix)
     decode_evaluations: int
+    reused_prompt_tokens: int = 0  # prompt tokens whose keys/values were already cached (reuse_cache)
 
     @property
     def prefill_tokens_per_second(self) -> float:
@@ -56,6 +64,7 @@ class Generation:
     stop_reason: str  # "eog" | "length" | "failure"
     timings: Timings
     experiment_results: dict[str, ExperimentResult] = field(default_factory=dict)
+    trace: Tracer | None = None  # the tracer that recorded this generation, when tracing was on
 
     @property
     def complete(self) -> bool:
@@ -80,6 +89,7 @@ class Model:
         self.load_seconds = load_seconds
         self._forward = forward
         self._cache = forward.new_cache(context_length)
+        self._cached_ids: list[int] = []  # the tokens whose keys/values the cache holds, in order
         self._decode_workspace = forward.new_workspace(1, context_length)
         self.model_context = ModelContext.from_config(config, model_id=source.name)
 
@@ -111,13 +121,44 @@ class Model:
         tracing: TracingState = TracingState.DISABLED,
         on_text: Callable[[str], None] | None = None,
         stop_at_eog: bool = True,
+        observer: Any = None,
+        tracer: Tracer | None = None,
+        reuse_cache: bool = False,
     ) -> Generation:
-        """Generate up to max_new_tokens after the prompt (text, or exact token ids used as given)."""
+        """Generate up to max_new_tokens after the prompt (text, or exact token ids used as given).
+
+        observer: a hooks adapter (ember.experiments.HooksAdapter) called at every boundary instead of
+        the disabled one; internal to the inspection surfaces, refused together with experiments.
+        tracer: record spans (tokenize, prefill, each decode step; each layer when `tracer.layers`);
+        `tracing=TracingState.ENABLED` without a tracer makes one (`generation.trace`).
+        reuse_cache: keep the longest cached prefix this prompt shares with the tokens already in the
+        KV cache (the previous prompt and the generated tokens that were evaluated) and prefill only the
+        rest; `generation.timings.reused_prompt_tokens` says how many were kept.
+        """
+        if observer is not None and experiments:
+            raise ConfigError(
+                "an observer (layer dumps, extraction) cannot run together with experiments: recorded "
+                "values would mix before- and after-intervention meanings"
+            )
+        if tracer is None and TracingState(tracing) is TracingState.ENABLED:
+            tracer = Tracer()
+        if tracer is not None:
+            tracing = TracingState.ENABLED
+            generate_started = time.perf_counter()
         sampler = Sampler(SamplingSettings(temperature, top_k, top_p, min_p, seed))
-        prompt_ids = self.tokenize(prompt, add_bos)
+        if tracer is not None:
+            with tracer.span("tokenize", cat="tokenize") as details:
+                prompt_ids = self.tokenize(prompt, add_bos)
+                details["tokens"] = len(prompt_ids)
+        else:
+            prompt_ids = self.tokenize(prompt, add_bos)
         self.check_fits(len(prompt_ids), max_new_tokens)
         runner = ExperimentRunner(experiments, self.model_context, tracing) if experiments else None
-        hooks = runner.hooks if runner is not None else DISABLED_HOOKS
+        hooks = runner.hooks if runner is not None else observer if observer is not None else DISABLED_HOOKS
+        if tracer is not None and tracer.layers:
+            hooks = TracingHooks(hooks, tracer)
+        reused = self._reusable_prefix(prompt_ids) if reuse_cache else 0
+        self._cached_ids = []  # unknown until this generation ends well
 
         generated: list[int] = []
         pieces: list[str] = []
@@ -139,19 +180,28 @@ class Model:
                 pieces.append(tail)
                 if on_text is not None:
                     on_text(tail)
-            timings = Timings(prefill_seconds, decode_seconds, len(prompt_ids), decode_evaluations)
+            timings = Timings(prefill_seconds, decode_seconds, len(prompt_ids) - reused, decode_evaluations,
+                              reused)
             results = runner.results() if runner is not None else {}
-            return Generation("".join(pieces), prompt_ids, generated, reason, timings, results)
+            if tracer is not None:
+                tracer.complete("generate", generate_started, time.perf_counter(), cat="generate",
+                                args={"prompt_tokens": len(prompt_ids), "reused_prompt_tokens": reused,
+                                      "generated_tokens": len(generated), "stop_reason": reason})
+            return Generation("".join(pieces), prompt_ids, generated, reason, timings, results, tracer)
 
         try:
             if runner is not None:
                 runner.on_model_loaded()
-                runner.before_prefill(0, len(prompt_ids))
+                runner.before_prefill(reused, len(prompt_ids) - reused)
             with threadpool_limits(self.threads):
                 started = time.perf_counter()
-                logits = self._prefill(prompt_ids, hooks)
+                logits = self._prefill(prompt_ids, hooks, start=reused)
                 token = sampler(logits[0])
-                prefill_seconds = time.perf_counter() - started
+                finished = time.perf_counter()
+                prefill_seconds = finished - started
+                if tracer is not None:
+                    tracer.complete("prefill", started, finished, cat="prefill",
+                                    args={"start_position": reused, "tokens": len(prompt_ids) - reused})
                 position = len(prompt_ids)
                 while True:
                     if stop_at_eog and token in self.tokenizer.eog_ids:
@@ -164,7 +214,11 @@ class Model:
                     started = time.perf_counter()
                     logits = self._decode(token, position, hooks)
                     token = sampler(logits[0])
-                    decode_seconds += time.perf_counter() - started
+                    finished = time.perf_counter()
+                    decode_seconds += finished - started
+                    if tracer is not None:
+                        tracer.complete("decode", started, finished, cat="decode",
+                                        args={"position": position})
                     decode_evaluations += 1
                     position += 1
             if runner is not None:
@@ -172,6 +226,7 @@ class Model:
         except ExperimentFailure as failure:
             failure.generation = result("failure")
             raise
+        self._cached_ids = prompt_ids + generated[:decode_evaluations]
         return result(stop_reason)
 
     def chat(self, messages: Sequence[dict[str, Any]], **generate_options: Any) -> Generation:
@@ -180,12 +235,37 @@ class Model:
         prompt_ids = self.tokenizer.encode_chat(list(messages))
         return self.generate(prompt_ids, **generate_options)
 
+    @property
+    def cached_token_ids(self) -> list[int]:
+        """The tokens whose keys/values the KV cache holds (what `reuse_cache` can keep)."""
+        return list(self._cached_ids)
+
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
         """Logits [T, V] of every position, from one clean prefill (no hooks) over a fresh cache."""
         ids = self.tokenize(token_ids)
         self.check_fits(len(ids), 0)
+        self._cached_ids = []
         with threadpool_limits(self.threads):
             return self._prefill(ids, DISABLED_HOOKS, all_logits=True)
+
+    def evaluate(self, prompt: str | Sequence[int], *, add_bos: bool | None = None, observer: Any = None,
+                 tracer: Tracer | None = None) -> np.ndarray:
+        """One prefill over a fresh cache, `observer` (a hooks adapter) seeing every boundary; returns
+        a copy of the last position's logits [V]. For extraction over prompt sets: nothing is sampled."""
+        prompt_ids = self.tokenize(prompt, add_bos)
+        self.check_fits(len(prompt_ids), 0)
+        hooks = observer if observer is not None else DISABLED_HOOKS
+        if tracer is not None and tracer.layers:
+            hooks = TracingHooks(hooks, tracer)
+        self._cached_ids = []
+        with threadpool_limits(self.threads):
+            started = time.perf_counter()
+            logits = self._prefill(prompt_ids, hooks)[0].copy()
+            if tracer is not None:
+                tracer.complete("prefill", started, time.perf_counter(), cat="prefill",
+                                args={"start_position": 0, "tokens": len(prompt_ids)})
+        self._cached_ids = prompt_ids
+        return logits
 
     def check_fits(self, prompt_tokens: int, max_new_tokens: int) -> None:
         if prompt_tokens == 0:
@@ -198,11 +278,26 @@ class Model:
                 f"the context of {self.context_length} tokens"
             )
 
-    def _prefill(self, prompt_ids: list[int], hooks: Any, *, all_logits: bool = False) -> np.ndarray:
-        workspace = self._forward.new_workspace(len(prompt_ids), self.context_length)
-        self._cache.length = 0
-        tokens = np.asarray(prompt_ids, dtype=np.int64)
-        return self._forward.forward(tokens, 0, self._cache, workspace, hooks, ExecutionPhase.PREFILL,
+    def _reusable_prefix(self, prompt_ids: list[int]) -> int:
+        """How many leading prompt tokens the cache already holds (at least one token is left to
+        evaluate); 0 when the cache cannot be cut back to that length (a sliding-window ring)."""
+        cached = self._cached_ids
+        limit = min(len(cached), len(prompt_ids) - 1)
+        shared = 0
+        while shared < limit and cached[shared] == prompt_ids[shared]:
+            shared += 1
+        if shared < len(cached) and any(isinstance(layer, SlidingWindowKV)
+                                        for layer in getattr(self._cache, "layers", ())):
+            return 0
+        return shared
+
+    def _prefill(self, prompt_ids: list[int], hooks: Any, *, all_logits: bool = False,
+                 start: int = 0) -> np.ndarray:
+        """Evaluate prompt_ids[start:] at positions start…, keeping the cache's first `start` positions."""
+        workspace = self._forward.new_workspace(len(prompt_ids) - start, self.context_length)
+        self._cache.length = start
+        tokens = np.asarray(prompt_ids[start:], dtype=np.int64)
+        return self._forward.forward(tokens, start, self._cache, workspace, hooks, ExecutionPhase.PREFILL,
                                      all_logits=all_logits)
 
     def _decode(self, token: int, position: int, hooks: Any) -> np.ndarray:
@@ -217,12 +312,30 @@ def load_model(
     context_length: int | None = None,
     threads: int | None = None,
     weight_cache: str | os.PathLike[str] | bool | None = None,
+    tracer: Tracer | None = None,
 ) -> Model:
-    """Resolve `source` (a known name, a .gguf path or a ModelFile), read it and build the engine."""
+    """Resolve `source` (a known name, a .gguf path or a ModelFile), read it and build the engine.
+
+    With a tracer: spans `load` around `resolve`, `gguf` (header and config), `tokenizer`, `weights`."""
+    if tracer is not None:
+        with tracer.span("load", cat="load") as details:
+            model = _load_model(source, context_length, threads, weight_cache, tracer)
+            details.update(model=model.source.name, context_length=model.context_length)
+        return model
+    return _load_model(source, context_length, threads, weight_cache, None)
+
+
+def _load_model(source: str | os.PathLike[str] | ModelFile, context_length: int | None, threads: int | None,
+                weight_cache: str | os.PathLike[str] | bool | None, tracer: Tracer | None) -> Model:
+    def step(name: str) -> Any:
+        return tracer.span(name, cat="load") if tracer is not None else nullcontext()
+
     started = time.perf_counter()
-    model_file = source if isinstance(source, ModelFile) else resolve_model(source)
-    gguf = GGUFFile.open(model_file.path)
-    config = config_from_gguf(gguf)
+    with step("resolve"):
+        model_file = source if isinstance(source, ModelFile) else resolve_model(source)
+    with step("gguf"):
+        gguf = GGUFFile.open(model_file.path)
+        config = config_from_gguf(gguf)
     if context_length is None:
         context_length = config.context_length
     if not 0 < context_length <= config.context_length:
@@ -230,10 +343,11 @@ def load_model(
             f"context_length must be between 1 and the model's {config.context_length}, got {context_length}"
         )
     threads = threads or default_threads()
-    tokenizer = Tokenizer.from_gguf(gguf)
+    with step("tokenizer"):
+        tokenizer = Tokenizer.from_gguf(gguf)
     store = WeightStore(gguf, weight_cache)
     family = FAMILIES[config.architecture]
-    with threadpool_limits(threads):
+    with threadpool_limits(threads), step("weights"):
         forward = family.build_forward(config, store, context_length)
     return Model(model_file, gguf, config, tokenizer, forward, context_length, threads,
                  time.perf_counter() - started)
