@@ -379,6 +379,12 @@ def finish_sweep(sweep_dir: str, *, interrupted: bool = False, error: str | None
             [record["experiment_id"]], filter_string=f"tags.mlflow.parentRunId = '{record['run_id']}'",
             max_results=10000,
         )
+        for child in children:  # a job killed without closing its run: close it for it
+            if child.info.status == "RUNNING":
+                client.set_terminated(child.info.run_id, status=KILLED)
+                num = child.data.tags.get("ember.job")
+                if num is not None:
+                    problems.setdefault(num, "killed")
         recorded = {r.data.tags.get("ember.job") for r in children}
         for num in statuses:
             if num not in recorded:

@@ -206,6 +206,17 @@ def test_effect_can_be_turned_off(workdir):
     assert not any(k.startswith("effect.") for k in run.data.metrics)
 
 
+def test_chat_messages_go_through_the_chat_template(workdir):
+    assert run_main("messages=[{role:user,content:Hi}]", "max_new_tokens=2",
+                    "mlflow.experiment_name=t_chat") == 0
+    run = only_run(workdir, "t_chat")
+    assert run.data.params["messages.0.role"] == "user" and run.data.params["messages.0.content"] == "Hi"
+    generation = json.loads(artifact(workdir, run, "generation.json").read_text())
+    tokenizer = runner._MODELS[next(iter(runner._MODELS))].tokenizer
+    prompt = tokenizer.decode(generation["prompt_token_ids"], special=True)
+    assert "<|im_start|>user\nHi<|im_end|>" in prompt and prompt.endswith("<|im_start|>assistant\n")
+
+
 def test_failing_experiment_gives_a_failed_run_with_its_record(workdir, capsys):
     code = run_main("experiments=[{_target_:run_support.FailAtDecode,layer:3,decode_step:2}]",
                     "max_new_tokens=6", "mlflow.experiment_name=t_fail")
