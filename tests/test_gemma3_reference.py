@@ -280,8 +280,8 @@ def test_all_position_logits_match_transformers(model: Any, hf_model: Any) -> No
 
 
 def test_greedy_continuations_are_sensible(model: Any) -> None:
-    counting = model.generate(counting_prompt(), max_new_tokens=12).text
-    assert counting.strip().startswith("118, 119, 120"), counting
+    counting = model.generate(counting_prompt(), max_new_tokens=20).text
+    assert counting.strip().startswith("118, 119, 120, 121"), counting
     capitals = model.generate(capitals_prompt(), max_new_tokens=4).text
     assert capitals.strip().startswith("Reykjavik"), capitals
 
