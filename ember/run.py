@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("MPLBACKEND", "Agg")  # figures are files; never open a window
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # records stay where the config says
 
 import signal
 import sys

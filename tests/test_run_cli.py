@@ -238,22 +238,32 @@ def test_failing_experiment_gives_a_failed_run_with_its_record(workdir, capsys):
     assert run.data.metrics["tokens.generated"] == 2
 
 
+def test_a_user_mistake_ends_the_process_with_one_message_and_exit_2(workdir):
+    done = ember_run(workdir, "experiment=zero_layer", "layer=30", "mlflow.experiment_name=t_mistakes")
+    assert done.returncode == 2
+    assert done.stderr.strip() == ("ember: experiments[0] (zero_layer_output).layer=30 is out of range: "
+                                   "this model has 30 layers (0..29)")
+    assert client(workdir).get_experiment_by_name("t_mistakes") is None, "nothing recorded, nothing loaded"
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["experiment=zero_layer", "layer=30"], "layer=30 is out of range: this model has 30 layers (0..29)"),
         (["max_new_tokens=100000"], "max_new_tokens=100000 cannot fit: the context holds 2048 tokens "
                                     "including the prompt (model.context_length=2048; this model supports "
                                     "up to 8192)"),
         (["sampling.top_p=two"], "sampling.top_p must be a number, got 'two'"),
+        (["model.source=no-such-model"], "unknown model 'no-such-model'"),
+        (["model=gemma3_270m", "model.source=smollm2-135m"], "model.family is 'gemma3' but"),
+        (["experiments=[{name:zero_layer_output,layer:3,strength:2}]"], "has no parameter 'strength'"),
     ],
 )
-def test_user_mistakes_end_with_one_message_and_exit_2(workdir, args, message):
-    done = ember_run(workdir, *args, "mlflow.experiment_name=t_mistakes")
-    assert done.returncode == 2
-    lines = [line for line in done.stderr.splitlines() if line.strip()]
-    assert lines == [f"ember: {lines[0][len('ember: '):]}"] and message in lines[0], done.stderr
-    assert "Traceback" not in done.stderr + done.stdout
+def test_user_mistakes_give_one_message_and_status_2(workdir, capsys, args, message):
+    assert run_main(*args, "mlflow.experiment_name=t_mistakes") == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("ember: ") and message in lines[0], err
+    assert "Traceback" not in err
 
 
 def test_ctrl_c_closes_the_run_as_killed(workdir):
