@@ -1,0 +1,105 @@
+"""`BoundaryRecorder`: a hooks adapter that keeps copies of what the engine shows at its boundaries.
+
+It is what dumps and extraction pass to `Model.generate(observer=...)` / `Model.evaluate(observer=...)`:
+the same calls, at the same places, with the same arrays an experiment's `TensorAccess.values()` sees.
+It never writes into the engine's buffers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from ember.errors import ConfigError
+from ember.experiments.base import LAYER_HOOKS, LOGITS_HOOKS
+from ember.experiments.context import ExecutionPhase
+
+# before_layer, after_attention, after_mlp, after_layer, before_logits, after_logits
+STAGES = LAYER_HOOKS + LOGITS_HOOKS
+POOLS = ("last", "mean")
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """One boundary of one evaluation: `array` is a copy (or its pooled row) of what the engine held."""
+
+    evaluation: int  # 0 = the prefill, then one per decode step
+    phase: ExecutionPhase
+    start_position: int
+    token_count: int
+    stage: str
+    layer: int | None  # None for before_logits / after_logits
+    array: np.ndarray
+
+
+def pool_rows(array: np.ndarray, pool: str) -> np.ndarray:
+    """[T, H] -> [H]: the last row, or the float32 mean over rows (summed in float64)."""
+    if pool == "last":
+        return np.array(array[-1], dtype=np.float32)
+    if pool == "mean":
+        return array.mean(axis=0, dtype=np.float64).astype(np.float32)
+    raise ConfigError(f"pool must be one of {', '.join(POOLS)}, got {pool!r}")
+
+
+def check_stages(stages: Iterable[str]) -> tuple[str, ...]:
+    chosen = tuple(stages)
+    unknown = [s for s in chosen if s not in STAGES]
+    if unknown:
+        raise ConfigError(f"unknown stage {unknown[0]!r}; stages: {', '.join(STAGES)}")
+    return chosen
+
+
+class BoundaryRecorder:
+    """Records the chosen stages of the chosen layers (None: all), in call order.
+
+    `reduce` turns each array into what is kept (default: a full copy); `phases` limits the phases.
+    """
+
+    def __init__(self, *, stages: Iterable[str] = STAGES, layers: Iterable[int] | None = None,
+                 phases: Iterable[ExecutionPhase] = (ExecutionPhase.PREFILL, ExecutionPhase.DECODE),
+                 reduce: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
+        self.stages = frozenset(check_stages(stages))
+        self.layers = None if layers is None else frozenset(int(i) for i in layers)
+        self.phases = frozenset(phases)
+        self.reduce = reduce
+        self.records: list[Record] = []
+        self.evaluations = -1
+        self._phase = ExecutionPhase.PREFILL
+        self._start = 0
+        self._count = 0
+        self._active = True
+
+    def begin_evaluation(self, phase: ExecutionPhase, start_position: int, token_count: int) -> None:
+        self.evaluations += 1
+        self._phase = ExecutionPhase(phase)
+        self._start, self._count = int(start_position), int(token_count)
+        self._active = self._phase in self.phases
+
+    def _keep(self, stage: str, layer: int | None, array: np.ndarray) -> None:
+        if not self._active or stage not in self.stages:
+            return
+        if layer is not None and self.layers is not None and layer not in self.layers:
+            return
+        kept = self.reduce(array) if self.reduce is not None else array.copy()
+        self.records.append(
+            Record(self.evaluations, self._phase, self._start, self._count, stage, layer, kept))
+
+    def before_layer(self, layer_index: int, hidden: np.ndarray) -> None:
+        self._keep("before_layer", layer_index, hidden)
+
+    def after_attention(self, layer_index: int, attention_output: np.ndarray) -> None:
+        self._keep("after_attention", layer_index, attention_output)
+
+    def after_mlp(self, layer_index: int, mlp_output: np.ndarray) -> None:
+        self._keep("after_mlp", layer_index, mlp_output)
+
+    def after_layer(self, layer_index: int, hidden: np.ndarray) -> None:
+        self._keep("after_layer", layer_index, hidden)
+
+    def before_logits(self, hidden: np.ndarray) -> None:
+        self._keep("before_logits", None, hidden)
+
+    def after_logits(self, logits: np.ndarray) -> None:
+        self._keep("after_logits", None, logits)

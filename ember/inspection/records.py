@@ -1,0 +1,78 @@
+"""MLflow records of the inspection commands (dump, extract, probe, benchmark, demo, chat).
+
+A thin layer over `ember.tracking.Tracker` with one run per command; tracking off gives a log that does
+nothing, so callers never test for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from ember.runconfig import MlflowSettings
+
+
+class RunLog:
+    """One MLflow run (or nothing when `tracker` is None)."""
+
+    def __init__(self, tracker: Any = None, run_id: str | None = None) -> None:
+        self.tracker = tracker
+        self.run_id = run_id
+
+    @property
+    def enabled(self) -> bool:
+        return self.tracker is not None
+
+    def params(self, params: Mapping[str, Any]) -> None:
+        if self.tracker:
+            self.tracker.log_params(self.run_id, params)
+
+    def tags(self, tags: Mapping[str, Any]) -> None:
+        if self.tracker:
+            self.tracker.set_tags(self.run_id, tags)
+
+    def metrics(self, metrics: Iterable[tuple[str, float, int]]) -> None:
+        if self.tracker:
+            self.tracker.log_metrics(self.run_id, list(metrics))
+
+    def json(self, value: Any, artifact_file: str) -> None:
+        if self.tracker:
+            self.tracker.log_json(self.run_id, value, artifact_file)
+
+    def text(self, text: str, artifact_file: str) -> None:
+        if self.tracker:
+            self.tracker.log_text(self.run_id, text, artifact_file)
+
+    def figure(self, figure: Any, artifact_file: str) -> None:
+        if self.tracker:
+            self.tracker.log_figure(self.run_id, figure, artifact_file)
+
+    def files(self, paths: Iterable[str | Path], artifact_dir: str | None = None) -> None:
+        if self.tracker:
+            for path in paths:
+                self.tracker.client.log_artifact(self.run_id, str(path), artifact_dir)
+
+
+@contextmanager
+def mlflow_run(settings: MlflowSettings | None, name: str, tags: Mapping[str, Any] | None = None,
+               base_dir: str | Path | None = None) -> Iterator[RunLog]:
+    """A run that ends FINISHED, FAILED on an exception, KILLED on Ctrl-C; a no-op log when disabled."""
+    if settings is None or not settings.enabled:
+        yield RunLog()
+        return
+    from ember import tracking
+    from ember.provenance import environment_tags
+
+    tracker = tracking.Tracker(tracking.resolve_store(settings, base_dir), settings.experiment_name)
+    run_id = tracker.start_run(name, {**environment_tags(), **(tags or {})})
+    status = tracking.FAILED
+    try:
+        yield RunLog(tracker, run_id)
+        status = tracking.FINISHED
+    except KeyboardInterrupt:
+        status = tracking.KILLED
+        raise
+    finally:
+        tracker.end_run(run_id, status)
