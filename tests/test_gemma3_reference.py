@@ -13,6 +13,7 @@ Run `python tests/test_gemma3_reference.py` to print the figures.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -146,13 +147,15 @@ def hf_capture(hf_model: Any, prompt_ids: list[int], decode_ids: list[int]) -> l
 
     handles.append(decoder.norm.register_forward_hook(on_final_norm))
     cache = DynamicCache(config=hf_model.config)
+    parameters = inspect.signature(hf_model.forward).parameters
+    cache_argument = "cache" if "cache" in parameters else "past_key_values"  # renamed in transformers 5.x
     position = 0
     try:
         with torch.no_grad():
             for ids in [list(prompt_ids)] + [[t] for t in decode_ids]:
                 evaluations.append(Evaluation(position, len(ids)))
-                output = hf_model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True,
-                                  logits_to_keep=1)
+                output = hf_model(input_ids=torch.tensor([ids]), use_cache=True, logits_to_keep=1,
+                                  **{cache_argument: cache})
                 evaluations[-1].logits = rows(output.logits)
                 position += len(ids)
     finally:
