@@ -596,8 +596,9 @@ def _main() -> int:
     try:
         _hydra_task()
     except KeyboardInterrupt:
-        _close_open_sweep(interrupted=True)
-        say("ember: interrupted")
+        sweep = _close_open_sweep(interrupted=True)
+        if sweep is not None:
+            say("ember: sweep interrupted; its parent run is recorded as KILLED")
         return EXIT_INTERRUPTED
     except SystemExit as exit_:  # Hydra's own errors (bad override syntax, unknown group, ...)
         return exit_.code if isinstance(exit_.code, int) else EXIT_USAGE

@@ -268,12 +268,14 @@ def test_user_mistakes_give_one_message_and_status_2(workdir, capsys, args, mess
 
 def test_ctrl_c_closes_the_run_as_killed(workdir):
     process = subprocess.Popen(
-        [sys.executable, "-m", "ember.run", "max_new_tokens=4000", "mlflow.experiment_name=t_kill"],
+        [sys.executable, "-m", "ember.run", "max_new_tokens=2000", "mlflow.experiment_name=t_kill"],
         cwd=workdir, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
+            if process.poll() is not None:
+                pytest.fail(f"the run ended early ({process.returncode}): {process.communicate()[1]}")
             found = client(workdir).get_experiment_by_name("t_kill")
             runs = client(workdir).search_runs([found.experiment_id]) if found else []
             if runs and runs[0].data.tags.get("ember.model_cache"):  # the model is loaded, generating
