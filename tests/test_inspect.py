@@ -1,0 +1,184 @@
+"""Inspection surfaces on SmolLM2: dumps, extraction and probes checked against what the hooks see."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ember.errors import ConfigError
+from ember.experiments import Experiment
+from ember.inspection import (
+    BoundaryRecorder,
+    ExperimentConflictError,
+    dump_generation,
+    extract_hidden_states,
+    load_dump,
+    pool_rows,
+    probe_layers,
+    read_prompt_set,
+)
+from ember.inspection.probes import log_probe_report, stratified_folds
+from ember.inspection.records import RunLog
+
+DATA = Path(__file__).parent / "data"
+PROMPT = "The capital of France is"
+
+
+class CopyEverything(Experiment):
+    """An observation experiment keeping a copy of every boundary, keyed like the dump index."""
+
+    name = "copy_everything"
+
+    def __init__(self) -> None:
+        self.seen: dict[tuple[str, int, str, int | None], np.ndarray] = {}
+
+    def _keep(self, execution, stage, layer, tensor) -> None:
+        self.seen[(execution.phase.value, execution.start_position, stage, layer)] = tensor.values().copy()
+
+    def before_layer(self, ctx, hidden):
+        self._keep(ctx.execution, "before_layer", ctx.layer_index, hidden)
+
+    def after_attention(self, ctx, attention_output):
+        self._keep(ctx.execution, "after_attention", ctx.layer_index, attention_output)
+
+    def after_mlp(self, ctx, mlp_output):
+        self._keep(ctx.execution, "after_mlp", ctx.layer_index, mlp_output)
+
+    def after_layer(self, ctx, hidden):
+        self._keep(ctx.execution, "after_layer", ctx.layer_index, hidden)
+
+    def before_logits(self, ctx, hidden):
+        self._keep(ctx, "before_logits", None, hidden)
+
+    def after_logits(self, ctx, logits):
+        self._keep(ctx, "after_logits", None, logits)
+
+
+def test_layer_and_logits_dump_equal_an_observation_experiment_exactly(smollm2, tmp_path: Path) -> None:
+    result = dump_generation(smollm2, PROMPT, tmp_path, layers=True, logits=True, max_new_tokens=3)
+    index, arrays = load_dump(tmp_path)
+    observer = CopyEverything()
+    reference = smollm2.generate(PROMPT, max_new_tokens=3, experiments=[observer])
+
+    assert reference.token_ids == result.generation.token_ids == index["token_ids"]
+    layer_count = smollm2.config.layer_count
+    evaluations = 1 + reference.timings.decode_evaluations
+    assert index["evaluations"] == evaluations
+    # every layer's four boundaries plus before_logits, and after_logits, for every evaluation
+    assert len(index["arrays"]) == evaluations * (4 * layer_count + 2) == len(observer.seen)
+    prompt_length = len(reference.prompt_token_ids)
+    for entry in index["arrays"]:
+        start, end = entry["positions"]
+        expected_start = 0 if entry["phase"] == "prefill" else prompt_length + entry["evaluation"] - 1
+        assert start == expected_start
+        assert end - start == (prompt_length if entry["phase"] == "prefill" else 1)
+        seen = observer.seen[(entry["phase"], start, entry["stage"], entry["layer"])]
+        dumped = arrays[entry["key"]]
+        assert list(dumped.shape) == entry["shape"] == list(seen.shape)
+        assert dumped.dtype == np.float32
+        assert np.array_equal(dumped, seen), entry["key"]  # bit-identical, not merely close
+    assert arrays["e000.before_layer.00"].shape == (prompt_length, smollm2.config.hidden_size)
+    assert arrays["e001.logits"].shape == (1, smollm2.config.vocab_size)
+    # greedy: each evaluation's logits pick the next generated token
+    for evaluation, token in enumerate(reference.token_ids):
+        assert int(arrays[f"e{evaluation:03d}.logits"].argmax()) == token
+
+
+def test_logits_only_dump_has_one_entry_per_evaluation(smollm2, tmp_path: Path) -> None:
+    result = dump_generation(smollm2, PROMPT, tmp_path, layers=False, logits=True, max_new_tokens=2)
+    assert sorted(p.name for p in result.files) == ["index.json", "logits.npz"]
+    assert [e["stage"] for e in result.index["arrays"]] == ["after_logits", "after_logits"]
+    assert [e["phase"] for e in result.index["arrays"]] == ["prefill", "decode"]
+
+
+def test_dump_refuses_experiments_and_an_empty_request(smollm2, tmp_path: Path) -> None:
+    with pytest.raises(ExperimentConflictError, match="--dump-layers cannot run with active experiments"):
+        dump_generation(smollm2, PROMPT, tmp_path, experiments=[CopyEverything()])
+    with pytest.raises(ConfigError, match="nothing to dump"):
+        dump_generation(smollm2, PROMPT, tmp_path, layers=False, logits=False)
+    with pytest.raises(ConfigError, match="cannot run together with experiments"):
+        smollm2.generate(PROMPT, max_new_tokens=1, observer=BoundaryRecorder(),
+                         experiments=[CopyEverything()])
+
+
+@pytest.mark.parametrize("pool", ["last", "mean"])
+def test_extraction_equals_pooled_hook_values(smollm2, pool: str) -> None:
+    prompts = ["Hello there", "The quick brown fox jumps", "One two three four five six"]
+    states, layers = extract_hidden_states(smollm2, prompts, layers="0,7,-1", stage="after_mlp", pool=pool,
+                                           progress=False)
+    last = smollm2.config.layer_count - 1
+    assert layers == [0, 7, last]
+    assert states.shape == (3, 3, smollm2.config.hidden_size) and states.dtype == np.float32
+    for row, prompt in enumerate(prompts):
+        observer = CopyEverything()
+        smollm2.generate(prompt, max_new_tokens=1, experiments=[observer])
+        for column, layer in enumerate(layers):
+            seen = observer.seen[("prefill", 0, "after_mlp", layer)]
+            assert seen.shape[0] == len(smollm2.tokenize(prompt))
+            assert np.array_equal(states[row, column], pool_rows(seen, pool))
+    assert not np.array_equal(states[:, 0], states[:, 2])
+
+
+def test_prompt_set_files(tmp_path: Path) -> None:
+    labelled = read_prompt_set(DATA / "probe_prompts.jsonl")
+    assert len(labelled) == 20 and labelled.labels.count("french") == 10
+    text = tmp_path / "prompts.txt"
+    text.write_text("# a comment\nfirst prompt\n\nsecond prompt\n")
+    plain = read_prompt_set(text)
+    assert plain.prompts == ("first prompt", "second prompt") and plain.labels is None
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"prompt": "a", "label": "x"}\n{"text": "b"}\n')
+    with pytest.raises(ConfigError, match="prompt 2 has none"):
+        read_prompt_set(broken)
+    broken.write_text('{"prompt": "a"}\nnot json\n')
+    with pytest.raises(ConfigError, match="broken.jsonl:2: not valid JSON"):
+        read_prompt_set(broken)
+    with pytest.raises(ConfigError, match="does not exist"):
+        read_prompt_set(tmp_path / "missing.txt")
+
+
+def test_probe_on_synthetic_features() -> None:
+    rng = np.random.default_rng(0)
+    labels = ["a"] * 12 + ["b"] * 12
+    direction = rng.standard_normal(32)
+    noise = rng.standard_normal((24, 2, 32))
+    signs = np.array([1.0] * 12 + [-1.0] * 12)
+    states = noise.copy()
+    states[:, 0] += 3.0 * signs[:, None] * direction  # layer 0 separates the classes, layer 1 is noise
+    report = probe_layers(states, labels, [0, 1], folds=4, seed=1)
+    assert report.test_accuracy[0] == 1.0
+    assert report.test_accuracy[1] < 0.85
+    assert report.chance == 0.5 and report.classes == ["a", "b"]
+    folds = stratified_folds(np.array([0] * 12 + [1] * 12), 4, seed=1)
+    assert all(np.bincount(folds[:12]) == 3) and all(np.bincount(folds[12:]) == 3)
+    with pytest.raises(ConfigError, match="at least 5 prompts of every label"):
+        probe_layers(states[:8], labels[:4] + labels[-4:], [0, 1], folds=5)
+
+
+def test_probe_separates_english_and_french_and_logs_to_mlflow(smollm2, tmp_path: Path) -> None:
+    from mlflow.tracking import MlflowClient
+
+    from ember import tracking
+
+    prompt_set = read_prompt_set(DATA / "probe_prompts.jsonl")
+    layers = list(range(0, smollm2.config.layer_count, 6))
+    states, layers = extract_hidden_states(smollm2, prompt_set.prompts, layers=layers, pool="mean",
+                                           progress=False)
+    report = probe_layers(states, prompt_set.labels, layers, folds=5, seed=0)
+    assert report.test_accuracy.max() >= 0.9
+    assert len(report.rows()) == len(layers)
+    assert "layer  test_acc" in report.table()
+
+    store = tracking.Store(f"sqlite:///{tmp_path / 'mlflow.db'}", (tmp_path / "artifacts").as_uri())
+    tracker = tracking.Tracker(store, "probe-test")
+    run_id = tracker.start_run("probe", {})
+    log_probe_report(RunLog(tracker, run_id), report)
+    tracker.end_run(run_id, tracking.FINISHED)
+    client = MlflowClient(store.tracking_uri)
+    history = client.get_metric_history(run_id, "probe.test_accuracy")
+    assert sorted(m.step for m in history) == layers
+    files = {f.path for f in client.list_artifacts(run_id, "probe")}
+    assert {"probe/accuracy_by_layer.png", "probe/accuracy_by_layer.csv",
+            "probe/accuracy_by_layer.json"} <= files
