@@ -116,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
         chat.add_argument("--no-stats", action="store_true", help="no token/speed line after each reply")
         _sampling(chat, 256)
 
-    sub.add_parser("demo", parents=[common], help="a short scripted showcase of generation")
+    demo = sub.add_parser("demo", parents=[common], help="a short scripted showcase of generation")
+    demo.add_argument("--max-new-tokens", type=int, default=48)
 
     bench = sub.add_parser("benchmark", parents=[common], help="load, prefill, decode figures and peak RSS")
     bench.add_argument("--prompt-tokens", type=int, default=64)
@@ -362,7 +363,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             prompt = model.tokenizer.encode_chat([{"role": "user", "content": text}])
         else:
             print(text, end="", flush=True)
-        generation = model.generate(prompt, max_new_tokens=48, tracer=tracer, on_text=stream)
+        generation = model.generate(prompt, max_new_tokens=args.max_new_tokens, tracer=tracer, on_text=stream)
         t = generation.timings
         print(f"\n   [{len(generation.token_ids)} tokens, decode {t.decode_tokens_per_second:.1f} tok/s]\n")
     if tracer is not None:

@@ -1,0 +1,196 @@
+"""The `ember` command: v0.1 refusals before loading, and each subcommand end to end on SmolLM2."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import ember.model
+import ember.sources
+from ember import cli
+
+DATA = Path(__file__).parent / "data"
+
+# (arguments without --experiment, the surface named in the message)
+SURFACE_COMMANDS = [
+    (["generate", "Hi", "--dump-layers"], "--dump-layers"),
+    (["generate", "Hi", "--dump-logits"], "--dump-logits"),
+    (["generate", "Hi", "--dump-layers", "--dump-logits"], "--dump-layers"),
+    (["extract", str(DATA / "probe_prompts.jsonl")], "hidden-state extraction"),
+    (["probe", str(DATA / "probe_prompts.jsonl")], "probes"),
+    (["interactive"], "the interactive command"),
+    (["chat"], "the interactive command"),
+    (["demo"], "the demo command"),
+    (["benchmark"], "the benchmark command"),
+]
+
+
+@pytest.fixture()
+def no_loading(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was resolved or loaded before the refusal")
+
+    monkeypatch.setattr(ember.model, "load_model", refuse)
+    monkeypatch.setattr(ember.model, "resolve_model", refuse)
+    monkeypatch.setattr(ember.sources, "resolve_model", refuse)
+
+
+@pytest.fixture()
+def fixture_model(smollm2, monkeypatch: pytest.MonkeyPatch):
+    """`ember` subcommands get the session's SmolLM2 instead of loading their own."""
+    monkeypatch.setattr(ember.model, "load_model", lambda *args, **kwargs: smollm2)
+    return smollm2
+
+
+@pytest.mark.parametrize("experiments", [["zero_layer_output:layer=3"],
+                                         ["activation_stats", "experiments.steering_vector.SteeringVector"]])
+@pytest.mark.parametrize(("arguments", "surface"), SURFACE_COMMANDS)
+def test_every_surface_with_an_experiment_is_refused_before_loading(
+        no_loading, capsys: pytest.CaptureFixture[str], arguments: list[str], surface: str,
+        experiments: list[str]) -> None:
+    flags = [part for name in experiments for part in ("--experiment", name)]
+    assert cli.main([*arguments, *flags, "--no-mlflow"]) == cli.EXIT_USAGE
+    message = capsys.readouterr().err
+    assert f"{surface}" in message and "cannot run with active experiments" in message
+    assert experiments[0].partition(":")[0] in message
+    assert "before/after-intervention" in message or "which model is talking" in message \
+        or "unmodified model" in message or "engine's figures" in message
+
+
+def test_the_same_commands_without_experiments_are_not_refused(no_loading) -> None:
+    from ember.inspection.refusal import refuse_with_experiments
+
+    for arguments, _ in SURFACE_COMMANDS:
+        args = cli.build_parser().parse_args(arguments)
+        cli.check_combination(args)  # no error
+    refuse_with_experiments("demo", [])
+    # tracing is not a value surface: allowed with experiments
+    args = cli.build_parser().parse_args(
+        ["generate", "Hi", "--experiment", "activation_stats", "--trace", "t"])
+    cli.check_combination(args)
+
+
+def test_usage_mistakes_exit_2(no_loading, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main([]) == cli.EXIT_USAGE
+    assert cli.main(["generate", "Hi", "--trace-layers"]) == cli.EXIT_USAGE
+    assert "--trace-layers needs --trace" in capsys.readouterr().err
+    assert cli.main(["generate", "Hi", "--experiment", ":layer=3"]) == cli.EXIT_USAGE
+    assert "give a name" in capsys.readouterr().err
+    assert cli.main(["nonsense"]) == cli.EXIT_USAGE
+
+
+def test_experiment_specs() -> None:
+    specs = cli.experiment_specs(["zero_layer_output:layer=3,target=mlp", "pkg.mod.Class:scale=0.5"])
+    assert specs[0].name == "zero_layer_output" and specs[0].params == {"layer": 3, "target": "mlp"}
+    assert specs[1].target == "pkg.mod.Class" and specs[1].params == {"scale": 0.5}
+
+
+def _mlflow(tmp_path: Path) -> list[str]:
+    return ["--mlflow-uri", f"sqlite:///{tmp_path / 'mlflow.db'}", "--quiet"]
+
+
+def _runs(tmp_path: Path):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("ember")
+    return client, client.search_runs([experiment.experiment_id])
+
+
+def test_generate_with_experiment_and_trace(fixture_model, tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    trace = tmp_path / "trace.json"
+    code = cli.main(["generate", "The capital of France is", "--max-new-tokens", "3", "--experiment",
+                     "activation_stats", "--trace", str(trace), "--trace-layers", *_mlflow(tmp_path)])
+    assert code == cli.EXIT_OK
+    assert capsys.readouterr().out.startswith("The capital of France is")
+    names = {e["name"] for e in json.loads(trace.read_text())["traceEvents"]}
+    assert {"prefill", "decode", "layer 0", "generate"} <= names
+    client, runs = _runs(tmp_path)
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED"
+    artifacts = {f.path for f in client.list_artifacts(runs[0].info.run_id)}
+    assert {"generation.json", "trace", "experiments"} <= artifacts
+    assert "activation_stats.prefill/after_layer/rms" in runs[0].data.metrics
+
+
+def test_generate_dumps_layers_and_logits(fixture_model, tmp_path: Path) -> None:
+    folder = tmp_path / "dump"
+    code = cli.main(["generate", "Hello", "--max-new-tokens", "2", "--dump-layers", "--dump-logits",
+                     "--dump-dir", str(folder), *_mlflow(tmp_path)])
+    assert code == cli.EXIT_OK
+    index = json.loads((folder / "index.json").read_text())
+    assert index["evaluations"] == 2
+    with np.load(folder / "layers.npz") as layers:
+        assert len(layers.files) == 2 * (4 * fixture_model.config.layer_count + 1)
+    client, runs = _runs(tmp_path)
+    assert {f.path for f in client.list_artifacts(runs[0].info.run_id, "dump")} == {
+        "dump/index.json", "dump/layers.npz", "dump/logits.npz"}
+
+
+def test_extract_writes_states(fixture_model, tmp_path: Path) -> None:
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Hello there\nGood morning\n")
+    out = tmp_path / "states.npz"
+    code = cli.main(["extract", str(prompts), "--layers", "0,-1", "--stage", "after_attention", "--pool",
+                     "mean", "--out", str(out), *_mlflow(tmp_path)])
+    assert code == cli.EXIT_OK
+    with np.load(out) as saved:
+        assert saved["states"].shape == (2, 2, fixture_model.config.hidden_size)
+        assert list(saved["layers"]) == [0, fixture_model.config.layer_count - 1]
+        assert json.loads(str(saved["meta"]))["stage"] == "after_attention"
+        assert "labels" not in saved.files
+
+
+def test_probe_needs_labels(fixture_model, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Hello there\nGood morning\n")
+    assert cli.main(["probe", str(prompts), "--no-mlflow"]) == cli.EXIT_USAGE
+    assert "probes need a label per prompt" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_probe_command(fixture_model, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = cli.main(["probe", str(DATA / "probe_prompts.jsonl"), "--layers", "0,10,20", "--pool", "mean",
+                     *_mlflow(tmp_path)])
+    assert code == cli.EXIT_OK
+    assert "layer  test_acc" in capsys.readouterr().out
+    client, runs = _runs(tmp_path)
+    assert len(client.get_metric_history(runs[0].info.run_id, "probe.test_accuracy")) == 3
+
+
+def test_interactive_reads_stdin(fixture_model, monkeypatch: pytest.MonkeyPatch,
+                                 capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hi!\nHow are you?\n/exit\n"))
+    assert cli.main(["interactive", "--max-new-tokens", "4", "--no-mlflow", "--quiet"]) == cli.EXIT_OK
+    out = capsys.readouterr().out
+    assert out.count("reused from the cache") == 2 and "0 reused" not in out.splitlines()[-1]
+
+
+def test_demo(fixture_model, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["demo", "--max-new-tokens", "3", "--quiet", "--no-mlflow"]) == cli.EXIT_OK
+    out = capsys.readouterr().out
+    assert out.count("── ") == len(cli.DEMO_PROMPTS) and "tok/s" in out
+
+
+def test_benchmark_json_and_mlflow(fixture_model, tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    code = cli.main(["benchmark", "--prompt-tokens", "16", "--new-tokens", "3", "--repeats", "1", "--json",
+                     str(out), *_mlflow(tmp_path)])
+    assert code == cli.EXIT_OK
+    figures = json.loads(out.read_text())
+    results = figures["results"]
+    assert figures["settings"]["prompt_tokens"] == 16
+    assert results["decode_steps"] == 2 and results["decode_tokens_per_second"] > 0
+    assert results["prefill_tokens_per_second"] > 0 and results["peak_rss_bytes"] > 50_000_000
+    client, runs = _runs(tmp_path)
+    assert runs[0].data.metrics["benchmark.peak_rss_bytes"] == results["peak_rss_bytes"]
+    assert "benchmark.json" in {f.path for f in client.list_artifacts(runs[0].info.run_id)}
+
+
+def test_run_is_the_hydra_front_door(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["run", "--cfg", "job", "mlflow=off"]) == 0
+    assert "max_new_tokens" in capsys.readouterr().out
