@@ -470,11 +470,14 @@ def _run_prepared(prepared: Prepared, job: JobInfo, recorder: Recorder, threads:
     failure: ExperimentFailure | None = None
     if stream is not None and run.messages is None:
         print(run.prompt, end="", flush=True)
+    from ember.tracing import Tracer
+
+    tracer = Tracer(layers=run.trace_layers) if run.tracing else None
     try:
         generation = model.generate(
             prepared.prompt_ids, max_new_tokens=run.max_new_tokens, temperature=run.sampling.temperature,
             top_k=run.sampling.top_k, top_p=run.sampling.top_p, min_p=run.sampling.min_p,
-            seed=run.sampling.seed, experiments=experiments, on_text=stream,
+            seed=run.sampling.seed, experiments=experiments, on_text=stream, tracer=tracer,
         )
     except ExperimentFailure as error:
         failure, generation = error, error.generation
@@ -485,6 +488,8 @@ def _run_prepared(prepared: Prepared, job: JobInfo, recorder: Recorder, threads:
         recorder.log_metrics(generation_metrics(generation))
         recorder.log_json(generation_record(generation), "generation.json")
         recorder.log_text(generation.text, "generation.txt")
+    if tracer is not None:
+        recorder.log_json(tracer.to_json(), "trace.json")
         for name, result in generation.experiment_results.items():
             if name != LogitsRecorder.name:
                 recorder.result(name, result)

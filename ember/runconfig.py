@@ -23,7 +23,7 @@ MISSING = "???"
 
 _TOP_LEVEL_KEYS = {
     "model", "prompt", "messages", "max_new_tokens", "layer", "experiments", "intervention_effect",
-    "threads", "sampling", "mlflow",
+    "threads", "sampling", "mlflow", "tracing", "trace_layers",
 }
 _MODEL_KEYS = {"source", "family", "context_length"}
 _SAMPLING_KEYS = {"temperature", "top_k", "top_p", "min_p", "seed"}
@@ -84,6 +84,8 @@ class RunConfig:
     threads: int | None
     mlflow: MlflowSettings
     layer: int | None = None
+    tracing: bool = False
+    trace_layers: bool = False
 
 
 # ---------------------------------------------------------------------------------------- values
@@ -231,7 +233,16 @@ def parse_run_config(cfg: Any) -> RunConfig:
         threads=_int("threads", plain.get("threads"), minimum=1, allow_none=True),
         mlflow=mlflow,
         layer=_int("layer", plain.get("layer"), allow_none=True),
+        tracing=_tracing(plain),
+        trace_layers=_bool("trace_layers", plain.get("trace_layers", False)),
     )
+
+
+def _tracing(plain: Mapping[str, Any]) -> bool:
+    tracing = _bool("tracing", plain.get("tracing", False))
+    if _bool("trace_layers", plain.get("trace_layers", False)) and not tracing:
+        raise ConfigError("trace_layers=true needs tracing=true")
+    return tracing
 
 
 def _messages(value: Any) -> tuple[dict[str, str], ...] | None:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from run_support import prepared_store
 
 import ember.model
 import ember.sources
@@ -90,6 +91,7 @@ def test_experiment_specs() -> None:
 
 
 def _mlflow(tmp_path: Path) -> list[str]:
+    prepared_store(tmp_path)  # a migrated empty store (migrations run once per session)
     return ["--mlflow-uri", f"sqlite:///{tmp_path / 'mlflow.db'}", "--quiet"]
 
 

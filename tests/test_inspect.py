@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from run_support import prepared_store
 
 from ember.errors import ConfigError
 from ember.experiments import Experiment
@@ -171,7 +172,7 @@ def test_probe_separates_english_and_french_and_logs_to_mlflow(smollm2, tmp_path
     assert len(report.rows()) == len(layers)
     assert "layer  test_acc" in report.table()
 
-    store = tracking.Store(f"sqlite:///{tmp_path / 'mlflow.db'}", (tmp_path / "artifacts").as_uri())
+    store = tracking.Store(f"sqlite:///{prepared_store(tmp_path)}", (tmp_path / "artifacts").as_uri())
     tracker = tracking.Tracker(store, "probe-test")
     run_id = tracker.start_run("probe", {})
     log_probe_report(RunLog(tracker, run_id), report)

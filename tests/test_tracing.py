@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from run_support import prepared_store
 
 import ember
 from ember.experiments import Experiment, TracingState, ZeroLayerOutput
@@ -108,3 +109,24 @@ def test_tracing_does_not_change_the_tokens(smollm2) -> None:
     plain = smollm2.generate(PROMPT, max_new_tokens=4)
     traced = smollm2.generate(PROMPT, max_new_tokens=4, tracer=Tracer(layers=True))
     assert plain.token_ids == traced.token_ids
+
+
+def test_hydra_front_door_logs_the_trace_with_an_experiment(tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    from mlflow.tracking import MlflowClient
+
+    from ember import run
+
+    monkeypatch.chdir(tmp_path)
+    uri = f"sqlite:///{prepared_store(tmp_path)}"
+    code = run.main(["tracing=true", "trace_layers=true", "max_new_tokens=2", "experiment=zero_layer",
+                     "layer=3", "intervention_effect=false", "model.context_length=128",
+                     f"mlflow.tracking_uri={uri}"])
+    assert code == 0
+    client = MlflowClient(uri)
+    [found] = client.search_runs([client.get_experiment_by_name("ember").experiment_id])
+    local = client.download_artifacts(found.info.run_id, "trace.json", str(tmp_path))
+    spans = _check_chrome_trace(Path(local))
+    names = [e["name"] for e in spans]
+    assert names.count("prefill") == 1 and names.count("decode") == 1 and "layer 3" in names
+    assert run.main(["trace_layers=true", "mlflow=off"]) == 2
