@@ -82,3 +82,17 @@ def test_a_model_without_chat_template_is_refused() -> None:
 
     with pytest.raises(TokenizerError, match="plain-model has no chat template"):
         ChatSession(Fake())
+
+
+def test_a_sliding_window_cache_is_only_extended_never_cut_back() -> None:
+    from ember.kv_cache import FullLayerKV, LayeredKVCache, SlidingWindowKV
+    from ember.model import Model
+
+    model = Model.__new__(Model)
+    model._cache = LayeredKVCache([FullLayerKV(1, 16, 2), SlidingWindowKV(1, 4, 2)])
+    model._cached_ids = [1, 2, 3, 4, 5]
+    assert model._reusable_prefix([1, 2, 3, 4, 5, 6, 7]) == 5   # an extension keeps everything
+    assert model._reusable_prefix([1, 2, 3, 9]) == 0            # cutting a ring back is not possible
+    model._cache = LayeredKVCache([FullLayerKV(1, 16, 2)])
+    assert model._reusable_prefix([1, 2, 3, 9]) == 3            # full caches can be cut back
+    assert model._reusable_prefix([1, 2]) == 1                  # at least one token is evaluated
