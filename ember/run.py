@@ -488,11 +488,11 @@ def _run_prepared(prepared: Prepared, job: JobInfo, recorder: Recorder, threads:
         recorder.log_metrics(generation_metrics(generation))
         recorder.log_json(generation_record(generation), "generation.json")
         recorder.log_text(generation.text, "generation.txt")
-    if tracer is not None:
-        recorder.log_json(tracer.to_json(), "trace.json")
         for name, result in generation.experiment_results.items():
             if name != LogitsRecorder.name:
                 recorder.result(name, result)
+    if tracer is not None:
+        recorder.log_json(tracer.to_json(), "trace.json")
 
     effect = None
     if recorder_experiment is not None and generation is not None:
