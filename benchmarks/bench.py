@@ -37,7 +37,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.machine_load import LoadMeter, self_and_children_cpu_seconds, wait_for_quiet
+from benchmarks.machine_load import (
+    LoadMeter,
+    process_cpu_seconds,
+    self_and_children_cpu_seconds,
+    wait_for_quiet,
+)
 
 ENGINES = ("ember", "llama.cpp", "transformers")
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -288,9 +293,14 @@ def spawn(
     job_path.write_text(json.dumps(job))
     command = [sys.executable, "-m", "benchmarks.bench", "--worker", str(job_path)]
     failure = {"engine": job["engine"], "phase": job["phase"]}
-    wait_for_quiet(args.quiet_limit, args.max_wait)
+
+    def own_seconds() -> float:  # this process, its finished workers and the --busy-core spinner
+        spinner = args.spinner_pid
+        return self_and_children_cpu_seconds() + (process_cpu_seconds(spinner) if spinner else 0.0)
+
+    wait_for_quiet(args.quiet_limit, args.max_wait, own_seconds)
     try:
-        with LoadMeter(self_and_children_cpu_seconds) as meter:
+        with LoadMeter(own_seconds) as meter:
             completed = subprocess.run(
                 command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=args.timeout
             )
@@ -381,7 +391,8 @@ def print_report(report: dict[str, Any]) -> None:
         ("others' load, max (cores)", lambda s: _cell(s["foreign_cores_max"], 2)),
     ]
     print(
-        f"\n{report['model']} ({Path(report['gguf']).name}), threads={report['threads']}, "
+        f"\n{report['model']} ({Path(report['gguf']).name}), threads={report['threads']}"
+        f"{', one core kept busy' if report['busy_core'] else ''}, "
         f"median of {report['repeats']} repeats, prompt ids from the {report['tokenizer']} tokenizer"
     )
     print(f"{'':26}" + "".join(f"{engine:>15}" for engine in engines))
@@ -419,15 +430,36 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads for every engine")
     parser.add_argument("--prompt-lengths", default="128,512", help="prefill prompt lengths in tokens")
     parser.add_argument("--new-tokens", type=int, default=128, help="tokens generated for decode")
-    parser.add_argument("--json", help="write results here (default benchmarks/results/<model>.json)")
+    parser.add_argument("--json", help="write results here (default: under benchmarks/results/)")
     parser.add_argument("--openblas-env", choices=("inherit", "unset"), default="inherit",
                         help=f"'unset' removes {' and '.join(OPENBLAS_VARIABLES)} from the workers' env")
     parser.add_argument("--timeout", type=float, default=1200, help="seconds allowed per worker process")
     parser.add_argument("--quiet-limit", type=float, default=0.3,
                         help="before each process, wait until other processes use fewer cores than this")
     parser.add_argument("--max-wait", type=float, default=300, help="longest wait for a quiet machine (s)")
+    parser.add_argument("--busy-core", action="store_true",
+                        help="keep one core busy (a spinning process) throughout, to see the threading trap")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
+
+
+def run_all(args: argparse.Namespace, engines: list[str], base_job: dict[str, Any], env: dict[str, str],
+            runs: dict[str, list[dict[str, Any]]]) -> None:
+    """Per repeat, each engine in turn: a cold process (fresh EMBER_CACHE), then a warm one."""
+    with tempfile.TemporaryDirectory(prefix="ember-bench-") as workdir:
+        for repeat in range(args.repeats):
+            for engine in engines:
+                cache = Path(workdir) / f"cache-{engine}-{repeat}"
+                cache.mkdir()
+                worker_env = dict(env, EMBER_CACHE=str(cache))
+                for phase in ("cold", "warm"):
+                    job = dict(base_job, engine=engine, phase=phase, repeat=repeat)
+                    result = spawn(job, worker_env, Path(workdir), args)
+                    result["repeat"] = repeat
+                    runs[engine].append(result)
+                    print(f"[{time.strftime('%H:%M:%S')}] repeat {repeat + 1}/{args.repeats} {engine} "
+                          f"{phase}: {_one_line(result)}", flush=True)
+                shutil.rmtree(cache, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -459,26 +491,21 @@ def main(argv: list[str] | None = None) -> None:
     }
     runs: dict[str, list[dict[str, Any]]] = {engine: [] for engine in engines}
     load_average_start = os.getloadavg()
-    with tempfile.TemporaryDirectory(prefix="ember-bench-") as workdir:
-        for repeat in range(args.repeats):
-            for engine in engines:
-                cache = Path(workdir) / f"cache-{engine}-{repeat}"
-                cache.mkdir()
-                worker_env = dict(env, EMBER_CACHE=str(cache))
-                for phase in ("cold", "warm"):
-                    job = dict(base_job, engine=engine, phase=phase, repeat=repeat)
-                    result = spawn(job, worker_env, Path(workdir), args)
-                    result["repeat"] = repeat
-                    runs[engine].append(result)
-                    print(f"[{time.strftime('%H:%M:%S')}] repeat {repeat + 1}/{args.repeats} {engine} "
-                          f"{phase}: {_one_line(result)}", flush=True)
-                shutil.rmtree(cache, ignore_errors=True)
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if args.busy_core else None
+    args.spinner_pid = spinner.pid if spinner else None
+    try:
+        run_all(args, engines, base_job, env, runs)
+    finally:
+        if spinner is not None:
+            spinner.kill()
+            spinner.wait()
 
     summaries = {engine: summarise(runs[engine], lengths) for engine in engines}
     report = {
         "model": args.model if not args.gguf else Path(args.gguf).name,
         "gguf": str(gguf),
         "threads": args.threads,
+        "busy_core": args.busy_core,
         "repeats": args.repeats,
         "prompt_lengths": lengths,
         "new_tokens": args.new_tokens,
@@ -500,10 +527,17 @@ def main(argv: list[str] | None = None) -> None:
         "runs": runs,
     }
     print_report(report)
-    json_path = Path(args.json) if args.json else REPO_ROOT / "benchmarks" / "results" / f"{args.model}.json"
+    json_path = Path(args.json) if args.json else default_json_path(args, report["model"])
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(report, indent=1) + "\n")
     print(f"results written to {json_path}")
+
+
+def default_json_path(args: argparse.Namespace, model: str) -> Path:
+    name = f"{Path(model).stem}-threads{args.threads}"
+    name += "-busy-core" if args.busy_core else ""
+    name += "-openblas-env-unset" if args.openblas_env == "unset" else ""
+    return REPO_ROOT / "benchmarks" / "results" / f"{name}.json"
 
 
 def _one_line(result: dict[str, Any]) -> str:

@@ -6,8 +6,8 @@
 Each product is timed with the BLAS pool limited to 1 and to 2 threads (threadpoolctl), while the rest
 of the machine is left alone ("idle"), or while this script keeps one core busy with a pure-Python spin
 loop ("busy-spin") or with a single-threaded float32 matrix product ("busy-blas", like another test
-run). Products are computed as the engine does, `numpy.matmul(x, W.T, out=y)` with W stored
-(out_features, in_features):
+run). Products are computed as the engine does (ember.ops.linear), `numpy.matmul(x, W.T, out=y)`
+with W stored (out_features, in_features) and, for one token, x a vector:
 
 * gemv, one token: W of 576x576 (q/o), 1536x576 (gate/up), 576x1536 (down), 49152x576 (LM head).
   Repeated on one matrix, so the weights stay in cache: this shows threading overhead.
@@ -85,7 +85,7 @@ def quiet_measurement(
 
     best: dict[str, float] | None = None
     for _ in range(attempts):
-        wait_for_quiet(FOREIGN_LOAD_LIMIT + (1.0 if helper is not None else 0.0), max_wait_seconds=120)
+        wait_for_quiet(FOREIGN_LOAD_LIMIT, max_wait_seconds=600, own_seconds=own_seconds)
         with LoadMeter(own_seconds) as meter:
             figures = time_calls(function, seconds)
         figures["foreign_cores"] = meter.foreign_cores
@@ -103,12 +103,12 @@ def build_cases(rng: np.random.Generator) -> dict[str, Callable[[], object]]:
         return rng.standard_normal((out_features, in_features), dtype=np.float32) * 0.05
 
     def product(x: np.ndarray, w: np.ndarray) -> Callable[[], object]:
-        y = np.empty((x.shape[0], w.shape[0]), np.float32)
+        y = np.empty((*x.shape[:-1], w.shape[0]), np.float32)
         return lambda: np.matmul(x, w.T, out=y)
 
     cases: dict[str, Callable[[], object]] = {}
     for out_features, in_features in ((HIDDEN, HIDDEN), (FFN, HIDDEN), (HIDDEN, FFN), (VOCAB, HIDDEN)):
-        x = rng.standard_normal((1, in_features), dtype=np.float32)
+        x = rng.standard_normal(in_features, dtype=np.float32)
         cases[f"gemv {out_features}x{in_features}"] = product(x, weights(out_features, in_features))
 
     shapes = [(HIDDEN, HIDDEN), (KV, HIDDEN), (KV, HIDDEN), (HIDDEN, HIDDEN), (FFN, HIDDEN), (FFN, HIDDEN),
@@ -116,9 +116,9 @@ def build_cases(rng: np.random.Generator) -> dict[str, Callable[[], object]]:
     layer_products = []
     for _ in range(LAYERS):
         for out_features, in_features in shapes:
-            x = rng.standard_normal((1, in_features), dtype=np.float32)
+            x = rng.standard_normal(in_features, dtype=np.float32)
             layer_products.append(product(x, weights(out_features, in_features)))
-    head = product(rng.standard_normal((1, HIDDEN), dtype=np.float32), weights(VOCAB, HIDDEN))
+    head = product(rng.standard_normal(HIDDEN, dtype=np.float32), weights(VOCAB, HIDDEN))
 
     def decode_step() -> None:
         for call in layer_products:

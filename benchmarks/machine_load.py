@@ -51,12 +51,17 @@ class LoadMeter:
         self.foreign_cores = max(machine_cores - (self.own_seconds() - own0) / wall, 0.0)
 
 
-def wait_for_quiet(limit_cores: float, max_wait_seconds: float, sample_seconds: float = 1.0) -> float:
+def wait_for_quiet(
+    limit_cores: float,
+    max_wait_seconds: float,
+    own_seconds: Callable[[], float] = self_and_children_cpu_seconds,
+    sample_seconds: float = 1.0,
+) -> float:
     """Wait until others use under `limit_cores` over one sample (or time runs out); return their load."""
     deadline = time.monotonic() + max_wait_seconds
     announced = False
     while True:
-        with LoadMeter(self_and_children_cpu_seconds) as meter:
+        with LoadMeter(own_seconds) as meter:
             time.sleep(sample_seconds)
         if meter.foreign_cores < limit_cores or time.monotonic() >= deadline:
             return meter.foreign_cores
