@@ -404,8 +404,13 @@ def execute(cfg: DictConfig) -> int:
         prepared = prepare(cfg)
     except EmberError as error:
         say(f"ember: {where}{error}")
-        _record_invalid_job(cfg, job, error)
+        _record_invalid_job(cfg, job, str(error))
         return EXIT_USAGE
+    except Exception as error:  # a bug met while validating: say so, with the traceback
+        detail = f"internal error while checking the config: {describe_error(error)}"
+        say(f"ember: {where}{detail}\n{traceback.format_exc()}")
+        _record_invalid_job(cfg, job, detail)
+        return EXIT_FAILED
 
     threads = threads_for(job, prepared.run.threads)
     from threadpoolctl import threadpool_limits
@@ -539,23 +544,24 @@ def _record_effect(recorder: Recorder, effect: InterventionEffect) -> None:
     recorder.set_tags({"ember.intervention_effect": verdict})
 
 
-def _record_invalid_job(cfg: DictConfig, job: JobInfo, error: EmberError) -> None:
-    """In a sweep, a job whose config is invalid still leaves a FAILED child run saying why."""
+def _record_invalid_job(cfg: DictConfig, job: JobInfo, error: str) -> None:
+    """In a sweep, a job that could not start still leaves a FAILED child run saying why."""
     if not job.multirun:
         return
     try:
-        settings = tracking._settings_from(cfg)
-        recorder = Recorder(settings, job)
+        recorder = Recorder(tracking.settings_from_config(cfg), job)
         try:
             plain = OmegaConf.to_container(cfg, resolve=False)
         except Exception:
             plain = {}
         recorder.start(f"invalid config: {' '.join(job.overrides)}",
-                       {**environment_tags(), "ember.error": str(error)}, flatten(plain))
+                       {**environment_tags(), "ember.error": error}, flatten(plain))
         recorder.close(FAILED)
+    except Exception as failure:  # MLflow unreachable: the job status file still tells the sweep
+        say(f"ember: job #{job.number}: could not record the failure in MLflow: {describe_error(failure)}")
     finally:
         if job.output_dir is not None:
-            tracking.write_job_status(job.output_dir, FAILED, str(error))
+            tracking.write_job_status(job.output_dir, FAILED, error)
 
 
 # ------------------------------------------------------------------------------------ entry point

@@ -263,7 +263,8 @@ def parent_run_id(sweep_dir: str | os.PathLike[str] | None) -> str | None:
     return os.environ.get(PARENT_RUN_ENV)
 
 
-def _settings_from(config: Any) -> MlflowSettings | None:
+def settings_from_config(config: Any) -> MlflowSettings | None:
+    """The `mlflow` section of a (possibly invalid) config, or None when it cannot be read."""
     from omegaconf import OmegaConf
 
     section = OmegaConf.select(config, "mlflow", default=None)
@@ -344,7 +345,7 @@ def start_sweep(config: Any) -> str | None:
     sweep_dir.mkdir(parents=True, exist_ok=True)
     _ACTIVE_SWEEP_DIR, _LAST_SWEEP = str(sweep_dir), None
     os.environ.pop(PARENT_RUN_ENV, None)
-    settings = _settings_from(config)
+    settings = settings_from_config(config)
     if settings is None or not settings.enabled:
         return None
     store = resolve_store(settings)
