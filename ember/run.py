@@ -133,7 +133,10 @@ def cached_model(model_file: Any, context_length: int | None, threads: int) -> t
     if model is not None:
         model.threads = threads
         return model, True
-    model = load_model(model_file, context_length=context_length, threads=threads)
+    from ember.progress import Progress
+
+    with Progress.status(f"loading {Path(model_file.path).name}"):
+        model = load_model(model_file, context_length=context_length, threads=threads)
     _MODELS[key] = model
     return model, False
 
