@@ -290,9 +290,11 @@ def _extract(args: argparse.Namespace, log: Any) -> tuple[Any, Any, Any, list[in
     from ember.inspection.extraction import extract_hidden_states, read_prompt_set
 
     prompt_set = read_prompt_set(args.prompts)
-    model = load(args, _tracer(args))
+    tracer = _tracer(args)
+    model = load(args, tracer)
     states, layers = extract_hidden_states(model, prompt_set.prompts, layers=args.layers, stage=args.stage,
-                                           pool=args.pool, progress=not args.quiet)
+                                           pool=args.pool, progress=not args.quiet, tracer=tracer)
+    _finish_trace(args, tracer, log)
     return model, prompt_set, states, layers
 
 

@@ -137,9 +137,12 @@ def test_extract_writes_states(fixture_model, tmp_path: Path) -> None:
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("Hello there\nGood morning\n")
     out = tmp_path / "states.npz"
+    trace = tmp_path / "trace.json"
     code = cli.main(["extract", str(prompts), "--layers", "0,-1", "--stage", "after_attention", "--pool",
-                     "mean", "--out", str(out), *_mlflow(tmp_path)])
+                     "mean", "--out", str(out), "--trace", str(trace), *_mlflow(tmp_path)])
     assert code == cli.EXIT_OK
+    spans = [e["name"] for e in json.loads(trace.read_text())["traceEvents"]]
+    assert spans.count("prefill") == 2
     with np.load(out) as saved:
         assert saved["states"].shape == (2, 2, fixture_model.config.hidden_size)
         assert list(saved["layers"]) == [0, fixture_model.config.layer_count - 1]

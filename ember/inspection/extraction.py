@@ -84,8 +84,9 @@ def resolve_layers(layers: str | Sequence[int] | None, layer_count: int) -> list
 
 def extract_hidden_states(model: Any, prompts: Sequence[str], *, layers: str | Sequence[int] | None = None,
                           stage: str = "after_layer", pool: str = "last", add_bos: bool | None = None,
-                          progress: bool = True) -> tuple[np.ndarray, list[int]]:
-    """(states [prompts, layers, hidden] float32, the layer indices)."""
+                          progress: bool = True, tracer: Any = None) -> tuple[np.ndarray, list[int]]:
+    """(states [prompts, layers, hidden] float32, the layer indices); `tracer` gets one prefill span
+    per prompt (and layer spans when it asks for them)."""
     if stage not in LAYER_HOOKS:
         raise ConfigError(f"stage must be one of {', '.join(LAYER_HOOKS)}, got {stage!r}")
     if pool not in POOLS:
@@ -97,7 +98,7 @@ def extract_hidden_states(model: Any, prompts: Sequence[str], *, layers: str | S
         for row, prompt in enumerate(prompts):
             recorder = BoundaryRecorder(stages=(stage,), layers=chosen, phases=(ExecutionPhase.PREFILL,),
                                         reduce=lambda array: pool_rows(array, pool))
-            model.evaluate(prompt, add_bos=add_bos, observer=recorder)
+            model.evaluate(prompt, add_bos=add_bos, observer=recorder, tracer=tracer)
             for record in recorder.records:
                 states[row, position[record.layer]] = record.array
             advance(1)
