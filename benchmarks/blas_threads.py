@@ -133,10 +133,19 @@ def build_cases(rng: np.random.Generator) -> dict[str, Callable[[], object]]:
     return cases
 
 
-def measure(seconds: float, conditions: list[str], thread_counts: list[int]) -> dict[str, Any]:
+def measure(
+    seconds: float,
+    conditions: list[str],
+    thread_counts: list[int],
+    only: str | None,
+    results: dict[str, Any],
+    save: Callable[[], None],
+) -> None:
+    """Fill `results[case][condition, threads]`, calling `save()` after each figure."""
     controller = threadpoolctl.ThreadpoolController()
     cases = build_cases(np.random.default_rng(0))
-    results: dict[str, Any] = {}
+    if only:
+        cases = {name: function for name, function in cases.items() if only in name}
     for condition in conditions:
         helper = None
         if condition != "idle":
@@ -149,6 +158,7 @@ def measure(seconds: float, conditions: list[str], thread_counts: list[int]) -> 
                         case_seconds = seconds * (3 if name.startswith("decode") else 1)
                         figures = quiet_measurement(function, case_seconds, helper)
                         results.setdefault(name, {})[f"{condition}, {threads} thread(s)"] = figures
+                        save()
                         print(f"{condition:9} threads={threads} {name:34} mean {figures['mean_us']:9.1f} us"
                               f"  median {figures['median_us']:9.1f}  p99 {figures['p99_us']:9.1f}"
                               f"  foreign {figures['foreign_cores']:.2f} cores", flush=True)
@@ -156,7 +166,6 @@ def measure(seconds: float, conditions: list[str], thread_counts: list[int]) -> 
             if helper is not None:
                 helper.kill()
                 helper.wait()
-    return results
 
 
 def switch_cost_us(controller: threadpoolctl.ThreadpoolController) -> float:
@@ -175,6 +184,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seconds", type=float, default=1.0, help="measuring time per product and setting")
     parser.add_argument("--conditions", default="idle,busy-spin,busy-blas")
     parser.add_argument("--threads", default="1,2", help="BLAS thread counts to compare")
+    parser.add_argument("--only", help="measure only the products whose name contains this")
     parser.add_argument("--openblas-env", choices=("inherit", "unset"), default="inherit",
                         help=f"'unset' reruns this script without {' and '.join(OPENBLAS_VARIABLES)}")
     parser.add_argument("--json", help="write results here")
@@ -194,20 +204,24 @@ def main(argv: list[str] | None = None) -> None:
     print(f"threadpoolctl limit() enter+exit: {switch:.0f} us")
     conditions = [condition.strip() for condition in args.conditions.split(",")]
     thread_counts = [int(count) for count in args.threads.split(",")]
-    results = measure(args.seconds, conditions, thread_counts)
-    report = {
+    report: dict[str, Any] = {
         "blas": blas,
         "openblas_env": environment,
         "numpy": np.__version__,
         "cpu_count": os.cpu_count(),
         "load_average_end": os.getloadavg(),
         "limit_switch_us": switch,
-        "results": results,
+        "results": {},
         "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+
+    def save() -> None:
+        if args.json:
+            report["load_average_end"] = os.getloadavg()
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+
+    measure(args.seconds, conditions, thread_counts, args.only, report["results"], save)
 
 
 if __name__ == "__main__":
