@@ -614,21 +614,32 @@ def _main() -> int:
         if sweep is not None:
             say("ember: sweep interrupted; its parent run is recorded as KILLED")
         return EXIT_INTERRUPTED
-    except SystemExit as exit_:  # Hydra's own errors (bad override syntax, unknown group, ...)
-        return exit_.code if isinstance(exit_.code, int) else EXIT_USAGE
+    except SystemExit as exit_:
+        # Hydra's own errors (bad override syntax, unknown group, ...) and launcher crashes (a joblib
+        # worker died): Hydra has printed what happened; a sweep that was under way is closed FAILED.
+        code = exit_.code if isinstance(exit_.code, int) else EXIT_USAGE
+        sweep = _close_open_sweep(interrupted=False)
+        if sweep is not None:
+            _report_sweep(sweep, started)
+            return code or EXIT_FAILED
+        return code
     finally:
         signal.signal(signal.SIGTERM, previous)
     sweep = _close_open_sweep(interrupted=False)
     if sweep is not None:
-        jobs = sweep.jobs or len(_EXIT_CODES)
-        if not sweep.ok:
-            say(f"ember: sweep finished with {len(sweep.failed_jobs)} failed job(s) of {jobs}:")
-            for line in sweep.failed_jobs:
-                say(f"  {line}")
-            return EXIT_FAILED
-        say(f"ember: sweep of {jobs} job(s) finished in {time.perf_counter() - started:.1f} s")
-        return EXIT_OK
+        return _report_sweep(sweep, started)
     return max(_EXIT_CODES) if _EXIT_CODES else EXIT_OK
+
+
+def _report_sweep(sweep: tracking.SweepSummary, started: float) -> int:
+    jobs = sweep.jobs or len(_EXIT_CODES)
+    if not sweep.ok:
+        say(f"ember: sweep finished with {len(sweep.failed_jobs)} failed job(s) of {jobs}:")
+        for line in sweep.failed_jobs:
+            say(f"  {line}")
+        return EXIT_FAILED
+    say(f"ember: sweep of {jobs} job(s) finished in {time.perf_counter() - started:.1f} s")
+    return EXIT_OK
 
 
 def _close_open_sweep(*, interrupted: bool) -> tracking.SweepSummary | None:

@@ -70,3 +70,15 @@ def prepared_store(outputs: Path) -> Path:
     if not target.exists():
         shutil.copyfile(_TEMPLATE_STORE[0], target)
     return target
+
+
+class HardCrash(Experiment):
+    """Ends its process at once (no exception, no cleanup): a worker that dies mid-job."""
+
+    name = "hard_crash"
+    may_write = False
+
+    def before_prefill(self, ctx: object) -> None:
+        import os
+
+        os._exit(3)

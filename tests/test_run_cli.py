@@ -355,3 +355,18 @@ def test_parallel_sweep_of_8_jobs_with_4_workers_leaves_8_child_runs(workdir):
     assert {c.data.tags["ember.threads"] for c in children} == {str(max(1, cores // 4))}
     assert {c.data.tags["numpy.blas_threads"] for c in children} == {str(max(1, cores // 4))}
     print(f"parallel sweep of 8 jobs: {time.perf_counter() - started:.1f} s")
+
+
+@pytest.mark.slow
+def test_a_worker_that_dies_is_named_and_its_run_closed(workdir):
+    done = ember_run(workdir, "-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2",
+                     "experiments=[{_target_:run_support.HardCrash}],[]", "max_new_tokens=2",
+                     "mlflow.experiment_name=t_crash", timeout=600)
+    assert done.returncode == 1
+    assert "job #0 (experiments=[{_target_:run_support.HardCrash}]" in done.stderr
+    assert "died" in done.stderr
+    parent, children = sweep_runs(workdir, "t_crash")
+    assert parent.info.status == "FAILED" and "job #0" in parent.data.tags["ember.sweep.failed_jobs"]
+    statuses = {c.data.tags["ember.job"]: c.info.status for c in children}
+    assert statuses["0"] == "KILLED", "the dead worker's run is closed for it"
+    assert all(s != "RUNNING" for s in statuses.values())
