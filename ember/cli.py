@@ -251,6 +251,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 generation = model.generate(prompt, experiments=experiments, on_text=stream, **options)
             except ExperimentFailure as failure:
                 generation, status = failure.generation, EXIT_FAILED
+                log.failed = True
                 print(flush=True)
                 say(str(failure))
                 log.tags({"ember.failure": str(failure)})

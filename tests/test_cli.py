@@ -199,3 +199,14 @@ def test_benchmark_json_and_mlflow(fixture_model, tmp_path: Path) -> None:
 def test_run_is_the_hydra_front_door(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["run", "--cfg", "job", "mlflow=off"]) == 0
     assert "max_new_tokens" in capsys.readouterr().out
+
+
+def test_a_failed_experiment_ends_a_failed_run(fixture_model, tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    code = cli.main(["generate", "Hello", "--max-new-tokens", "4", "--experiment",
+                     "run_support.FailAtDecode:layer=2,decode_step=1", *_mlflow(tmp_path)])
+    assert code == cli.EXIT_FAILED
+    err = capsys.readouterr().err
+    assert "experiment 'fail_at_decode' failed in after_mlp (phase=decode, layer=2)" in err
+    _, runs = _runs(tmp_path)
+    assert runs[0].info.status == "FAILED" and "ember.failure" in runs[0].data.tags

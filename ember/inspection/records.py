@@ -20,6 +20,7 @@ class RunLog:
     def __init__(self, tracker: Any = None, run_id: str | None = None) -> None:
         self.tracker = tracker
         self.run_id = run_id
+        self.failed = False  # set when the command failed without raising (e.g. an experiment failed)
 
     @property
     def enabled(self) -> bool:
@@ -68,9 +69,10 @@ def mlflow_run(settings: MlflowSettings | None, name: str, tags: Mapping[str, An
     tracker = tracking.Tracker(tracking.resolve_store(settings, base_dir), settings.experiment_name)
     run_id = tracker.start_run(name, {**environment_tags(), **(tags or {})})
     status = tracking.FAILED
+    log = RunLog(tracker, run_id)
     try:
-        yield RunLog(tracker, run_id)
-        status = tracking.FINISHED
+        yield log
+        status = tracking.FAILED if log.failed else tracking.FINISHED
     except KeyboardInterrupt:
         status = tracking.KILLED
         raise
