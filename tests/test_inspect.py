@@ -72,10 +72,11 @@ def test_layer_and_logits_dump_equal_an_observation_experiment_exactly(smollm2, 
     prompt_length = len(reference.prompt_token_ids)
     for entry in index["arrays"]:
         start, end = entry["positions"]
-        expected_start = 0 if entry["phase"] == "prefill" else prompt_length + entry["evaluation"] - 1
-        assert start == expected_start
-        assert end - start == (prompt_length if entry["phase"] == "prefill" else 1)
-        seen = observer.seen[(entry["phase"], start, entry["stage"], entry["layer"])]
+        evaluation_start = 0 if entry["phase"] == "prefill" else prompt_length + entry["evaluation"] - 1
+        assert end == (prompt_length if entry["phase"] == "prefill" else evaluation_start + 1)
+        rows = 1 if entry["layer"] is None else end - evaluation_start  # logits: the last position only
+        assert start == end - rows and entry["shape"][0] == rows
+        seen = observer.seen[(entry["phase"], evaluation_start, entry["stage"], entry["layer"])]
         dumped = arrays[entry["key"]]
         assert list(dumped.shape) == entry["shape"] == list(seen.shape)
         assert dumped.dtype == np.float32

@@ -4,7 +4,8 @@
 boundaries (`before_layer`, `after_attention`, `after_mlp`, `after_layer`) and `before_logits`;
 `logits.npz` holds `after_logits` of every evaluation. The arrays are copies of exactly what the hooks
 see at those boundaries (same calls, same buffers). `index.json` lists each array: file, key, evaluation,
-phase, layer, stage, positions [start, end) and shape.
+phase, layer, stage, positions [start, end) of its rows (before/after_logits: the last position) and
+shape.
 """
 
 from __future__ import annotations
@@ -96,10 +97,12 @@ def write_dump(records: list[Record], generation: Any, directory: str | os.PathL
 
 
 def _entry(file: str, record: Record) -> dict[str, Any]:
+    # Layer boundaries hold a row per evaluated token; before/after_logits only the last token's row.
+    end = record.start_position + record.token_count
     return {
         "file": file, "key": array_key(record), "evaluation": record.evaluation,
         "phase": record.phase.value, "layer": record.layer, "stage": record.stage,
-        "positions": [record.start_position, record.start_position + record.token_count],
+        "positions": [end - record.array.shape[0], end],
         "shape": list(record.array.shape), "dtype": str(record.array.dtype),
     }
 
