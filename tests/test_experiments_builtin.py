@@ -213,3 +213,26 @@ def test_zero_both_passes_the_residual_through() -> None:
     hidden += mlp_output
     hooks.after_layer(1, hidden)
     assert np.array_equal(hidden, entering)
+
+
+def test_activation_stats_decode_batch_without_logits_hooks() -> None:
+    """Decode rows are batched per evaluation; a new evaluation's rows flush the previous ones even
+    when no after_logits ends it, and results() flushes what is pending."""
+    stats = ActivationStats(phases="decode")
+    runner = start([stats])
+    seen: dict = {}
+    rng = np.random.default_rng(7)
+    for step in range(3):
+        runner.hooks.begin_evaluation(ExecutionPhase.DECODE, 5 + step, 1)
+        for layer in range(LAYERS):
+            array = rng.standard_normal((1, HIDDEN)).astype(np.float32)
+            runner.hooks.after_mlp(layer, array)
+            seen.setdefault(layer, []).append(array.astype(np.float64))
+    rows = stats.rows()
+    assert [(row["hook"], row["layer"], row["evaluations"]) for row in rows] == [
+        ("after_mlp", layer, 3) for layer in range(LAYERS)]
+    for row in rows:
+        values = np.concatenate(seen[row["layer"]], axis=None)
+        assert row["mean"] == pytest.approx(values.mean(), abs=1e-6)
+        assert row["min"] == values.min() and row["max"] == values.max()
+        assert row["rms"] == pytest.approx(math.sqrt((values**2).mean()), rel=1e-6)

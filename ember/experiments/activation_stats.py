@@ -4,7 +4,8 @@ For every tensor hook, layer and phase it accumulates, over all evaluations of t
 of finite values, their mean, standard deviation, RMS, minimum, maximum and largest magnitude, and
 the count of non-finite values (NaN, +inf, -inf). Statistics of the finite values exclude the
 non-finite ones. Each hook does four whole-array reductions (sum, dot, min, max); the exact finite
-mask is computed only when those show something non-finite.
+mask is computed only when those show something non-finite. In decode the rows are copied aside and
+reduced together once per evaluation.
 """
 
 from __future__ import annotations
@@ -56,10 +57,95 @@ def _reduce(values: np.ndarray) -> tuple[int, float, float, float, float, int]:
     )
 
 
+def _merge(stats: list[float], count: int, total: float, squares: float, low: float, high: float,
+           nonfinite: int, evaluations: int = 1) -> None:
+    stats[_EVALUATIONS] += evaluations
+    stats[_COUNT] += count
+    stats[_SUM] += total
+    stats[_SUMSQ] += squares
+    if low < stats[_MIN]:
+        stats[_MIN] = low
+    if high > stats[_MAX]:
+        stats[_MAX] = high
+    stats[_NONFINITE] += nonfinite
+
+
+class _RowBatch:
+    """The single-row activations of decode evaluations, copied aside (one row per hook and layer)
+    and reduced together, four NumPy calls for all of them, when the evaluation ends."""
+
+    def __init__(self, layer_count: int, width: int) -> None:
+        self.layer_count = layer_count
+        self.width = width
+        self.row_shape = (1, width)
+        slots = len(LAYER_HOOKS) * layer_count + 1  # + before_logits
+        self.stash = np.empty((slots, width), np.float32)
+        self.pending: list[int] = []
+        self.is_pending = bytearray(slots)
+        self.totals = np.zeros((7, slots))
+        self.totals[_MIN] = math.inf
+        self.totals[_MAX] = -math.inf
+
+    def slot(self, hook_index: int, layer: int | None) -> int | None:
+        if layer is None:
+            return len(LAYER_HOOKS) * self.layer_count
+        if 0 <= layer < self.layer_count:
+            return hook_index * self.layer_count + layer
+        return None
+
+    def add(self, slot: int, values: np.ndarray) -> None:
+        if self.is_pending[slot]:
+            self.flush()
+        self.stash[slot] = values  # [1, width] into a [width] row
+        self.is_pending[slot] = 1
+        self.pending.append(slot)
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        index = np.array(self.pending)
+        rows = self.stash[index]
+        sums = rows.sum(axis=1).astype(np.float64)
+        squares = np.einsum("ij,ij->i", rows, rows).astype(np.float64)
+        lows = rows.min(axis=1).astype(np.float64)
+        highs = rows.max(axis=1).astype(np.float64)
+        counts = np.full(index.size, float(self.width))
+        nonfinite = np.zeros(index.size)
+        for k in np.flatnonzero(~(np.isfinite(sums) & np.isfinite(squares))):
+            count, total, square, low, high, bad = _reduce(rows[k])
+            counts[k], sums[k], squares[k], lows[k], highs[k], nonfinite[k] = (
+                count, total, square, low, high, bad)
+        totals = self.totals
+        totals[_EVALUATIONS, index] += 1
+        totals[_COUNT, index] += counts
+        totals[_SUM, index] += sums
+        totals[_SUMSQ, index] += squares
+        totals[_MIN, index] = np.minimum(totals[_MIN, index], lows)
+        totals[_MAX, index] = np.maximum(totals[_MAX, index], highs)
+        totals[_NONFINITE, index] += nonfinite
+        for slot in self.pending:
+            self.is_pending[slot] = 0
+        self.pending.clear()
+
+    def entries(self) -> list[tuple[str, int | None, list[float]]]:
+        """(hook, layer, accumulated stats) of every slot that has seen something."""
+        self.flush()
+        found = []
+        for slot in np.flatnonzero(self.totals[_EVALUATIONS]):
+            hook_index, layer = divmod(int(slot), self.layer_count)
+            hook = LAYER_HOOKS[hook_index] if hook_index < len(LAYER_HOOKS) else "before_logits"
+            found.append((hook, None if hook == "before_logits" else layer, self.totals[:, slot].tolist()))
+        return found
+
+
 class ActivationStats(Experiment):
     """Observe every activation boundary and summarise it per hook, layer and phase.
 
     Parameters: `phases` ("prefill", "decode" or "both", the default) and `name`.
+
+    Cost: a decode evaluation's single-row activations are copied aside and reduced together at the
+    end of the evaluation (after_logits), so each hook only copies one row; prefill activations and
+    the logits are reduced where they are seen.
     """
 
     def __init__(self, phases: str | Iterable[str] = "both", name: str = "activation_stats") -> None:
@@ -67,46 +153,65 @@ class ActivationStats(Experiment):
         self.phases = parse_phases(phases)
         self.layer_count: int | None = None
         self._stats: dict[tuple[ExecutionPhase, str, int | None], list[float]] = {}
+        self._batch: _RowBatch | None = None
 
     def on_model_loaded(self, ctx: ModelContext) -> None:
         self.layer_count = ctx.layer_count
 
-    def _record(self, phase: ExecutionPhase, hook: str, layer: int | None, tensor: TensorAccess) -> None:
+    def _observe(self, execution: ExecutionContext, hook_index: int, layer: int | None,
+                 tensor: TensorAccess) -> None:
+        phase = execution.phase
         if phase not in self.phases:
             return
-        count, total, squares, low, high, nonfinite = _reduce(tensor.values())
-        key = (phase, hook, layer)
+        values = tensor.values()
+        if phase is ExecutionPhase.DECODE:
+            batch = self._batch
+            if batch is None:
+                model = execution.model
+                batch = self._batch = _RowBatch(model.layer_count, model.hidden_size)
+            if values.shape == batch.row_shape:
+                slot = batch.slot(hook_index, layer)
+                if slot is not None:
+                    batch.add(slot, values)
+                    return
+        key = (phase, TENSOR_HOOKS[hook_index], layer)
         stats = self._stats.get(key)
         if stats is None:
-            self._stats[key] = [1, count, total, squares, low, high, nonfinite]
-            return
-        stats[_EVALUATIONS] += 1
-        stats[_COUNT] += count
-        stats[_SUM] += total
-        stats[_SUMSQ] += squares
-        if low < stats[_MIN]:
-            stats[_MIN] = low
-        if high > stats[_MAX]:
-            stats[_MAX] = high
-        stats[_NONFINITE] += nonfinite
+            stats = self._stats[key] = [0, 0, 0.0, 0.0, math.inf, -math.inf, 0]
+        _merge(stats, *_reduce(values))
 
     def before_layer(self, ctx: LayerContext, hidden: TensorAccess) -> None:
-        self._record(ctx.execution.phase, "before_layer", ctx.layer_index, hidden)
+        self._observe(ctx.execution, 0, ctx.layer_index, hidden)
 
     def after_attention(self, ctx: LayerContext, attention_output: TensorAccess) -> None:
-        self._record(ctx.execution.phase, "after_attention", ctx.layer_index, attention_output)
+        self._observe(ctx.execution, 1, ctx.layer_index, attention_output)
 
     def after_mlp(self, ctx: LayerContext, mlp_output: TensorAccess) -> None:
-        self._record(ctx.execution.phase, "after_mlp", ctx.layer_index, mlp_output)
+        self._observe(ctx.execution, 2, ctx.layer_index, mlp_output)
 
     def after_layer(self, ctx: LayerContext, hidden: TensorAccess) -> None:
-        self._record(ctx.execution.phase, "after_layer", ctx.layer_index, hidden)
+        self._observe(ctx.execution, 3, ctx.layer_index, hidden)
 
     def before_logits(self, ctx: ExecutionContext, hidden: TensorAccess) -> None:
-        self._record(ctx.phase, "before_logits", None, hidden)
+        self._observe(ctx, 4, None, hidden)
 
     def after_logits(self, ctx: ExecutionContext, logits: TensorAccess) -> None:
-        self._record(ctx.phase, "after_logits", None, logits)
+        self._observe(ctx, 5, None, logits)
+        if self._batch is not None:  # the evaluation ends here
+            self._batch.flush()
+
+    def _all_stats(self) -> dict[tuple[ExecutionPhase, str, int | None], list[float]]:
+        merged = {key: list(stats) for key, stats in self._stats.items()}
+        if self._batch is not None:
+            for hook, layer, totals in self._batch.entries():
+                key = (ExecutionPhase.DECODE, hook, layer)
+                if key in merged:
+                    evaluations, count, total, squares, low, high, nonfinite = totals
+                    _merge(merged[key], int(count), total, squares, low, high, int(nonfinite),
+                           int(evaluations))
+                else:
+                    merged[key] = totals
+        return merged
 
     # -- results -------------------------------------------------------------------------------
 
@@ -119,7 +224,8 @@ class ActivationStats(Experiment):
             phase, hook, layer = key
             return phase_order[phase], hook_order[hook], -1 if layer is None else layer
 
-        return [_row(key, self._stats[key]) for key in sorted(self._stats, key=order)]
+        stats = self._all_stats()
+        return [_row(key, stats[key]) for key in sorted(stats, key=order)]
 
     def results(self) -> ExperimentResult:
         rows = self.rows()
