@@ -26,6 +26,9 @@ class ChatSession:
 
     def __init__(self, model: Any, *, system: str | None = None, max_new_tokens: int = 256,
                  tracer: Any = None, **sampling: Any) -> None:
+        from ember.inspection.refusal import refuse_with_experiments
+
+        refuse_with_experiments("interactive", sampling.pop("experiments", ()))
         if not model.tokenizer.has_chat_template:
             raise TokenizerError(
                 f"{model.source.name} has no chat template (no tokenizer.chat_template in its GGUF "

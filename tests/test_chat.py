@@ -70,6 +70,14 @@ def test_context_full_is_reported_not_raised(smollm2) -> None:
     assert session.turns == []
 
 
+def test_chat_refuses_experiments(smollm2) -> None:
+    from ember.experiments import ActivationStats
+    from ember.inspection import ExperimentConflictError
+
+    with pytest.raises(ExperimentConflictError, match="interactive command cannot run with active"):
+        ChatSession(smollm2, experiments=[ActivationStats()])
+
+
 def test_a_model_without_chat_template_is_refused() -> None:
     class NoTemplate:
         has_chat_template = False
