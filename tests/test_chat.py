@@ -74,7 +74,8 @@ def test_chat_refuses_experiments(smollm2) -> None:
     from ember.experiments import ActivationStats
     from ember.inspection import ExperimentConflictError
 
-    with pytest.raises(ExperimentConflictError, match="interactive command cannot run with active"):
+    expected = r"interactive command \(ember interactive\) cannot run with active experiments"
+    with pytest.raises(ExperimentConflictError, match=expected):
         ChatSession(smollm2, experiments=[ActivationStats()])
 
 
