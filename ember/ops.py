@@ -25,18 +25,28 @@ def linear(x: np.ndarray, weight: np.ndarray, out: np.ndarray) -> np.ndarray:
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float, out: np.ndarray,
-             row_scratch: np.ndarray) -> np.ndarray:
-    """y = x / sqrt(mean(x²) + eps) * weight over the last axis; `weight=None` is the weightless norm.
+             row_scratch: np.ndarray, spread: np.ndarray | None = None) -> np.ndarray:
+    """y = x · rsqrt(mean(x²) + eps) · weight over the last axis; `weight=None` is the weightless norm.
 
-    `row_scratch` has x's shape with the last axis of length 1. `out` may be `x` itself.
+    `row_scratch` has x's shape with the last axis of length 1. `out` may be `x` itself. With
+    `spread` (x's shape) the per-row factor and the weight are first copied out to full size: NumPy
+    allocates a temporary for an operand broadcast over several rows, and decode must not allocate.
     """
     np.vecdot(x, x, out=row_scratch[..., 0])
     row_scratch *= 1.0 / x.shape[-1]
     row_scratch += eps
     np.sqrt(row_scratch, out=row_scratch)
-    np.divide(x, row_scratch, out=out)
+    np.reciprocal(row_scratch, out=row_scratch)
+    if spread is None:
+        np.multiply(x, row_scratch, out=out)
+        if weight is not None:
+            out *= weight
+        return out
+    np.copyto(spread, row_scratch)
+    np.multiply(x, spread, out=out)
     if weight is not None:
-        out *= weight
+        np.copyto(spread, weight)
+        out *= spread
     return out
 
 
@@ -79,15 +89,22 @@ def rope_tables(rope_dim: int, base: float, context_length: int, *, linear_facto
     return np.cos(theta).astype(np.float32), np.sin(theta).astype(np.float32)
 
 
-def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, layout: RopeLayout, rope_dim: int,
-               scratch_a: np.ndarray, scratch_b: np.ndarray, cos_heads: np.ndarray | None = None,
-               sin_heads: np.ndarray | None = None) -> None:
+def apply_rope(
+    x: np.ndarray,
+    cos: np.ndarray,
+    sin: np.ndarray,
+    layout: RopeLayout,
+    rope_dim: int,
+    scratch_a: np.ndarray,
+    scratch_b: np.ndarray,
+    decode_scratch: np.ndarray | None = None,
+) -> None:
     """Rotate x [T, heads, head_dim] in place; cos/sin are [T, rope_dim/2] for the rows' positions.
 
     Each pair (u, v) becomes (u·cos − v·sin, u·sin + v·cos). Dims at or past rope_dim pass through.
-    All scratch buffers are [T, heads, rope_dim/2]. With cos_heads/sin_heads given, cos/sin are first
-    spread over the heads, because NumPy allocates a temporary for a broadcast operand and decode
-    must not allocate.
+    scratch_a/b are [T, heads, rope_dim/2]. `decode_scratch` ([6, T, heads, rope_dim/2]) selects a
+    route that allocates nothing: NumPy buffers (allocates) for a strided or broadcast operand, so the
+    halves and cos/sin are first copied to contiguous scratch and the results copied back.
     """
     half = rope_dim // 2
     if layout is RopeLayout.NORM:
@@ -95,26 +112,48 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, layout: RopeLayo
         u, v = pairs[..., 0], pairs[..., 1]
     else:
         u, v = x[:, :, :half], x[:, :, half:rope_dim]
-    if cos_heads is None or sin_heads is None:
-        cos_heads, sin_heads = cos[:, None, :], sin[:, None, :]
-    else:
-        np.copyto(cos_heads, cos[:, None, :])
-        np.copyto(sin_heads, sin[:, None, :])
-    np.multiply(u, sin_heads, out=scratch_a)
-    np.multiply(u, cos_heads, out=u)
-    np.multiply(v, sin_heads, out=scratch_b)
-    np.subtract(u, scratch_b, out=u)
-    np.multiply(v, cos_heads, out=v)
-    np.add(v, scratch_a, out=v)
+    if decode_scratch is None:
+        cos, sin = cos[:, None, :], sin[:, None, :]
+        np.multiply(u, sin, out=scratch_a)
+        np.multiply(u, cos, out=u)
+        np.multiply(v, sin, out=scratch_b)
+        np.subtract(u, scratch_b, out=u)
+        np.multiply(v, cos, out=v)
+        np.add(v, scratch_a, out=v)
+        return
+    u_copy, v_copy, cos_heads, sin_heads, first, second = decode_scratch
+    np.copyto(u_copy, u)
+    np.copyto(v_copy, v)
+    np.copyto(cos_heads, cos[:, None, :])
+    np.copyto(sin_heads, sin[:, None, :])
+    np.multiply(u_copy, cos_heads, out=first)
+    np.multiply(v_copy, sin_heads, out=second)
+    np.subtract(first, second, out=first)
+    np.copyto(u, first)
+    np.multiply(u_copy, sin_heads, out=first)
+    np.multiply(v_copy, cos_heads, out=second)
+    np.add(first, second, out=first)
+    np.copyto(v, first)
 
 
-def softmax_inplace(scores: np.ndarray, row_scratch: np.ndarray) -> None:
-    """Softmax over the last axis, in place; row_scratch has the last axis of length 1."""
+def softmax_inplace(scores: np.ndarray, row_scratch: np.ndarray, spread: np.ndarray | None = None) -> None:
+    """Softmax over the last axis, in place; row_scratch has the last axis of length 1.
+
+    `spread` (scores' shape) avoids NumPy's temporary for the broadcast row max and sum, as in rms_norm.
+    """
     np.max(scores, axis=-1, keepdims=True, out=row_scratch)
-    scores -= row_scratch
+    if spread is None:
+        scores -= row_scratch
+    else:
+        np.copyto(spread, row_scratch)
+        scores -= spread
     np.exp(scores, out=scores)
     np.sum(scores, axis=-1, keepdims=True, out=row_scratch)
-    scores /= row_scratch
+    if spread is None:
+        scores /= row_scratch
+    else:
+        np.copyto(spread, row_scratch)
+        scores /= spread
 
 
 PREFILL_QUERY_CHUNK = 256  # bounds the [heads, chunk, keys] score block for long prompts
@@ -123,22 +162,20 @@ PREFILL_QUERY_CHUNK = 256  # bounds the [heads, chunk, keys] score block for lon
 def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, *, start_position: int, scale: float,
               out: np.ndarray, score_buffer: np.ndarray | None = None,
               row_scratch: np.ndarray | None = None, key_positions: np.ndarray | None = None,
-              sliding_window: int = 0) -> np.ndarray:
+              sliding_window: int = 0, spread_buffer: np.ndarray | None = None) -> np.ndarray:
     """Causal grouped-query attention.
 
     q: [T, n_head, hd] for positions start_position … start_position+T−1.
     keys/values: [n_kv, L, hd] cache views holding every visible position (the current rows included).
     key_positions: absolute position of each cached key ([L]); default 0…L−1.
     out: [T, n_head·hd_v]. Query head h reads KV head h // (n_head / n_kv).
-    Decode (T = 1) runs on `score_buffer` (flat, ≥ n_head·L) and `row_scratch` ([n_kv, group, 1])
-    without allocating; longer evaluations allocate their score blocks.
+    Decode (T = 1) runs on `score_buffer` and `spread_buffer` (flat, ≥ n_head·L each) and `row_scratch`
+    ([n_kv, group, 1]) without allocating; longer evaluations allocate their score blocks.
     """
     token_count, head_count, head_dim = q.shape
     kv_count, key_count, _ = keys.shape
     group = head_count // kv_count
     value_dim = values.shape[2]
-    if key_positions is None:
-        key_positions = np.arange(key_count)
 
     if token_count == 1 and score_buffer is not None:
         query = q.reshape(kv_count, group, head_dim)
@@ -146,14 +183,20 @@ def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, *, start_posi
         np.matmul(query, keys.transpose(0, 2, 1), out=scores)
         scores *= scale
         if sliding_window:
-            hidden_keys = (start_position - key_positions) >= sliding_window
+            positions = key_positions if key_positions is not None else np.arange(key_count)
+            hidden_keys = (start_position - positions) >= sliding_window
             if hidden_keys.any():
                 scores[:, :, hidden_keys] = -np.inf
-        softmax_inplace(scores, row_scratch)
+        spread = None
+        if spread_buffer is not None:
+            spread = spread_buffer[: kv_count * group * key_count].reshape(kv_count, group, key_count)
+        softmax_inplace(scores, row_scratch, spread)
         np.matmul(scores, values, out=out.reshape(kv_count, group, value_dim))
         return out
 
     out_heads = out.reshape(token_count, kv_count, group, value_dim)
+    if key_positions is None:
+        key_positions = np.arange(key_count)
     for chunk_start in range(0, token_count, PREFILL_QUERY_CHUNK):
         chunk = slice(chunk_start, min(chunk_start + PREFILL_QUERY_CHUNK, token_count))
         query = q[chunk].reshape(-1, kv_count, group, head_dim).transpose(1, 2, 0, 3)  # [kv, g, t, hd]

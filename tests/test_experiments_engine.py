@@ -339,10 +339,6 @@ def test_decode_allocates_no_activation_block(model: Any, decode_memory: tuple[i
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=(
-    "ember.ops attention, decode: softmax_inplace's broadcast `scores -= max` / `scores /= sum` make NumPy "
-    "allocate a buffer of the whole [heads, keys] score block (up to 8192 floats), and "
-    "np.arange(key_count) is built per layer"))
 def test_decode_allocates_nothing_that_grows_with_the_context(model: Any) -> None:
     """The same bound at a long context: nothing a decode step allocates may scale with the keys."""
     text_ids = model.tokenize(PROMPT * 80)

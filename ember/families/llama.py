@@ -140,8 +140,7 @@ class Workspace:
         self.head_scratch = np.zeros((rows, config.head_count, 1), f32)
         self.rope_a = np.zeros((rows, config.head_count, config.rope_dim // 2), f32)
         self.rope_b = np.zeros_like(self.rope_a)
-        self.rope_cos = np.zeros_like(self.rope_a)
-        self.rope_sin = np.zeros_like(self.rope_a)
+        self.rope_scratch = np.zeros((6, *self.rope_a.shape), f32) if rows == 1 else None
         self.attention_heads = np.zeros((rows, q_width), f32)
         self.attention_output = np.zeros((rows, H), f32)
         self.gate_up = np.zeros((rows, 2 * F), f32)
@@ -149,6 +148,8 @@ class Workspace:
         self.mlp_output = np.zeros((rows, H), f32)
         group = config.head_count // config.head_count_kv
         self.score_buffer = np.zeros(config.head_count * max_keys, f32) if rows == 1 else None
+        self.score_spread = np.zeros_like(self.score_buffer) if rows == 1 else None
+        self.head_spread = np.zeros((rows, config.head_count, hd), f32) if rows == 1 else None
         self.score_scratch = np.zeros((config.head_count_kv, group, 1), f32) if rows == 1 else None
         self.final_normed = np.zeros((1, H), f32)
         self.final_row_scratch = np.zeros((1, 1), f32)
@@ -207,15 +208,18 @@ class LlamaForward:
             k = ws.qkv[:, q_width:q_width + kv_width].reshape(T, n_kv, hd)
             v = ws.qkv[:, q_width + kv_width:].reshape(T, n_kv, hd)
             if c.has_qk_norm:
-                rms_norm(q, layer.q_norm, c.rms_norm_eps, q, ws.head_scratch)
-                rms_norm(k, layer.k_norm, c.rms_norm_eps, k, ws.head_scratch[:, :n_kv])
+                k_spread = ws.head_spread[:, :n_kv] if ws.head_spread is not None else None
+                rms_norm(q, layer.q_norm, c.rms_norm_eps, q, ws.head_scratch, ws.head_spread)
+                rms_norm(k, layer.k_norm, c.rms_norm_eps, k, ws.head_scratch[:, :n_kv], k_spread)
             cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-            apply_rope(q, cos, sin, c.rope_layout, c.rope_dim, ws.rope_a, ws.rope_b, ws.rope_cos, ws.rope_sin)
+            k_scratch = ws.rope_scratch[:, :, :n_kv] if ws.rope_scratch is not None else None
+            apply_rope(q, cos, sin, c.rope_layout, c.rope_dim, ws.rope_a, ws.rope_b, ws.rope_scratch)
             apply_rope(k, cos, sin, c.rope_layout, c.rope_dim, ws.rope_a[:, :n_kv], ws.rope_b[:, :n_kv],
-                       ws.rope_cos[:, :n_kv], ws.rope_sin[:, :n_kv])
+                       k_scratch)
             keys, values = cache.store(i, start_position, k, v)
             attention(q, keys, values, start_position=start_position, scale=self.scale,
-                      out=ws.attention_heads, score_buffer=ws.score_buffer, row_scratch=ws.score_scratch)
+                      out=ws.attention_heads, score_buffer=ws.score_buffer, row_scratch=ws.score_scratch,
+                      spread_buffer=ws.score_spread)
             attention_output = linear(ws.attention_heads, layer.attn_output, ws.attention_output)
             hooks.after_attention(i, attention_output)
             hidden += attention_output
