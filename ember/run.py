@@ -486,6 +486,7 @@ def _run_prepared(prepared: Prepared, job: JobInfo, recorder: Recorder, threads:
             prepared.prompt_ids, max_new_tokens=run.max_new_tokens, temperature=run.sampling.temperature,
             top_k=run.sampling.top_k, top_p=run.sampling.top_p, min_p=run.sampling.min_p,
             seed=run.sampling.seed, experiments=experiments, on_text=stream, tracer=tracer,
+            stop_at_eog=run.stop_at_eog,
         )
     except ExperimentFailure as error:
         failure, generation = error, error.generation

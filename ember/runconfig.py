@@ -23,7 +23,7 @@ MISSING = "???"
 
 _TOP_LEVEL_KEYS = {
     "model", "prompt", "messages", "max_new_tokens", "layer", "experiments", "intervention_effect",
-    "threads", "sampling", "mlflow", "tracing", "trace_layers",
+    "threads", "sampling", "mlflow", "tracing", "trace_layers", "stop_at_eog",
 }
 _MODEL_KEYS = {"source", "family", "context_length"}
 _SAMPLING_KEYS = {"temperature", "top_k", "top_p", "min_p", "seed"}
@@ -86,6 +86,7 @@ class RunConfig:
     layer: int | None = None
     tracing: bool = False
     trace_layers: bool = False
+    stop_at_eog: bool = True
 
 
 # ---------------------------------------------------------------------------------------- values
@@ -235,6 +236,7 @@ def parse_run_config(cfg: Any) -> RunConfig:
         layer=_int("layer", plain.get("layer"), allow_none=True),
         tracing=_tracing(plain),
         trace_layers=_bool("trace_layers", plain.get("trace_layers", False)),
+        stop_at_eog=_bool("stop_at_eog", plain.get("stop_at_eog", True)),
     )
 
 

@@ -268,7 +268,8 @@ def test_user_mistakes_give_one_message_and_status_2(workdir, capsys, args, mess
 
 def test_ctrl_c_closes_the_run_as_killed(workdir):
     process = subprocess.Popen(
-        [sys.executable, "-m", "ember.run", "max_new_tokens=2000", "mlflow.experiment_name=t_kill"],
+        [sys.executable, "-m", "ember.run", "max_new_tokens=2000", "stop_at_eog=false",
+         "mlflow.experiment_name=t_kill"],
         cwd=workdir, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
