@@ -298,19 +298,31 @@ def spawn(
         spinner = args.spinner_pid
         return self_and_children_cpu_seconds() + (process_cpu_seconds(spinner) if spinner else 0.0)
 
-    wait_for_quiet(args.quiet_limit, args.max_wait, own_seconds)
-    try:
-        with LoadMeter(own_seconds) as meter:
-            completed = subprocess.run(
-                command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=args.timeout
-            )
-    except subprocess.TimeoutExpired:
-        return failure | {"error": f"timed out after {args.timeout:.0f} s"}
-    result_path = Path(job["result_path"])
-    if not result_path.exists():
-        tail = (completed.stderr or completed.stdout).strip().splitlines()[-5:]
-        return failure | {"error": f"worker exited {completed.returncode}: " + " | ".join(tail)}
-    return json.loads(result_path.read_text()) | {"foreign_cores": meter.foreign_cores}
+    best: dict[str, Any] | None = None
+    for attempt in range(1, args.attempts + 1):
+        wait_for_quiet(args.quiet_limit, args.max_wait, own_seconds)
+        result_path = Path(job["result_path"])
+        result_path.unlink(missing_ok=True)
+        try:
+            with LoadMeter(own_seconds) as meter:
+                completed = subprocess.run(
+                    command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=args.timeout
+                )
+        except subprocess.TimeoutExpired:
+            return failure | {"error": f"timed out after {args.timeout:.0f} s"}
+        if not result_path.exists():
+            tail = (completed.stderr or completed.stdout).strip().splitlines()[-5:]
+            return failure | {"error": f"worker exited {completed.returncode}: " + " | ".join(tail)}
+        result = json.loads(result_path.read_text()) | {"foreign_cores": meter.foreign_cores}
+        result["attempt"] = attempt
+        if best is None or result["foreign_cores"] < best["foreign_cores"]:
+            best = result
+        if "error" in result or result["foreign_cores"] <= args.quiet_limit:
+            break
+        print(f"  {name}: others used {result['foreign_cores']:.2f} cores meanwhile; measuring again",
+              file=sys.stderr, flush=True)
+    assert best is not None
+    return best
 
 
 def median(values: list[float]) -> float | None:
@@ -437,6 +449,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quiet-limit", type=float, default=0.3,
                         help="before each process, wait until other processes use fewer cores than this")
     parser.add_argument("--max-wait", type=float, default=300, help="longest wait for a quiet machine (s)")
+    parser.add_argument("--attempts", type=int, default=3,
+                        help="runs of a process whose machine was not quiet; the quietest is kept")
     parser.add_argument("--busy-core", action="store_true",
                         help="keep one core busy (a spinning process) throughout, to see the threading trap")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
