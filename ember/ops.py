@@ -156,7 +156,7 @@ def softmax_inplace(scores: np.ndarray, row_scratch: np.ndarray, spread: np.ndar
         scores /= spread
 
 
-PREFILL_QUERY_CHUNK = 256  # bounds the [heads, chunk, keys] score block for long prompts
+PREFILL_QUERY_CHUNK = 128  # bounds the [heads, chunk, keys] score block; smaller skips more masked keys
 
 
 def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, *, start_position: int, scale: float,
@@ -195,20 +195,26 @@ def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, *, start_posi
         return out
 
     out_heads = out.reshape(token_count, kv_count, group, value_dim)
-    if key_positions is None:
-        key_positions = np.arange(key_count)
     for chunk_start in range(0, token_count, PREFILL_QUERY_CHUNK):
         chunk = slice(chunk_start, min(chunk_start + PREFILL_QUERY_CHUNK, token_count))
-        query = q[chunk].reshape(-1, kv_count, group, head_dim).transpose(1, 2, 0, 3)  # [kv, g, t, hd]
-        scores = np.matmul(query, keys[:, None].transpose(0, 1, 3, 2))  # [kv, g, t, L]
-        scores *= scale
         query_positions = start_position + np.arange(chunk.start, chunk.stop)
-        distance = query_positions[:, None] - key_positions[None, :]
+        if key_positions is None:
+            # keys are cached in position order: those after the chunk's last query are all masked
+            visible = start_position + chunk.stop
+            chunk_keys, chunk_values = keys[:, :visible], values[:, :visible]
+            chunk_key_positions = np.arange(visible)
+        else:
+            chunk_keys, chunk_values, chunk_key_positions = keys, values, key_positions
+        query = q[chunk].reshape(-1, kv_count, group, head_dim).transpose(1, 2, 0, 3)  # [kv, g, t, hd]
+        scores = np.matmul(query, chunk_keys[:, None].transpose(0, 1, 3, 2))  # [kv, g, t, L]
+        distance = query_positions[:, None] - chunk_key_positions[None, :]
         masked = distance < 0
         if sliding_window:
             masked |= distance >= sliding_window
-        scores[:, :, masked] = -np.inf
+        # scale, then add 0 / −inf: one pass each, cheaper than boolean indexing of the score block
+        scores *= scale
+        scores += np.where(masked, np.float32(-np.inf), np.float32(0.0))
         softmax_inplace(scores, np.empty(scores.shape[:-1] + (1,), dtype=np.float32))
-        context = np.matmul(scores, values[:, None])  # [kv, g, t, hd_v]
+        context = np.matmul(scores, chunk_values[:, None])  # [kv, g, t, hd_v]
         out_heads[chunk] = context.transpose(2, 0, 1, 3)
     return out

@@ -342,8 +342,6 @@ class Workspace:
         self.head_scratch = np.zeros((rows, max(n_head, c.head_count_kv), 1), f32)
         self.rope_a = np.zeros(rows * n_head * half, f32)
         self.rope_b = np.zeros_like(self.rope_a)
-        self.rope_cos = np.zeros_like(self.rope_a)  # cos/sin spread over the heads (no broadcast temporaries)
-        self.rope_sin = np.zeros_like(self.rope_a)
         self.positions = np.zeros((rows, 1), f32)
         self.cos_full = np.zeros((rows, c.rope_dim // 2), f32)
         self.sin_full = np.zeros_like(self.cos_full)
@@ -458,7 +456,7 @@ class Gemma4Forward:
             else:
                 rope_dim, cos, sin = c.rope_dim, ws.cos_full[:T], ws.sin_full[:T]
             rope_scratch = [ws.view(buffer, T, n_head, rope_dim // 2)
-                            for buffer in (ws.rope_a, ws.rope_b, ws.rope_cos, ws.rope_sin)]
+                            for buffer in (ws.rope_a, ws.rope_b)]
 
             # attention
             x = rms_norm(hidden, layer.attn_norm, eps, ws.normed, ws.row_scratch)
