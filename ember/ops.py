@@ -66,7 +66,8 @@ _GELU_C = math.sqrt(2.0 / math.pi)
 def gelu_tanh_inplace(x: np.ndarray, scratch: np.ndarray) -> np.ndarray:
     """x ← 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))), the exact formula HF uses."""
     np.multiply(x, x, out=scratch)
-    scratch *= 0.044715 * x
+    scratch *= x  # in place: `0.044715 * x` would allocate an [rows, F] temporary per call
+    scratch *= 0.044715
     scratch += x
     scratch *= _GELU_C
     np.tanh(scratch, out=scratch)

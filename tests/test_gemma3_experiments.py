@@ -9,8 +9,10 @@ equals zeroing the O projection (the post-attention norm of zeros is zeros).
 
 from __future__ import annotations
 
+import tracemalloc
 from typing import Any
 
+import numpy as np
 import pytest
 import test_experiments_engine as engine_tests
 
@@ -21,6 +23,7 @@ from ember.experiments import (
     TracingState,
     ZeroLayerOutput,
 )
+from ember.experiments.adapters import DISABLED_HOOKS
 from ember.experiments.context import ModelFamily
 
 Capture, Recorder, expected_log = engine_tests.Capture, engine_tests.Recorder, engine_tests.expected_log
@@ -46,7 +49,7 @@ LAYERS, HIDDEN = 18, 640
 def model() -> Any:
     import ember
 
-    return ember.load_model("gemma3-270m", context_length=256)
+    return ember.load_model("gemma3-270m", context_length=1024)
 
 
 def test_call_sequence_prefill_and_decodes_gemma3(model: Any, prompt_ids: list[int]) -> None:
@@ -83,3 +86,32 @@ def test_layer_out_of_range_gemma3(model: Any, prompt_ids: list[int]) -> None:
     assert str(caught.value) == (
         "experiment 'zero_layer_output' failed in on_model_loaded: layer 18 is outside the model: "
         "gemma3-270m has 18 layers, valid layers are 0..17")
+
+
+def test_decode_across_the_window_allocates_no_activation_block(model: Any) -> None:
+    """Decode steps 508…523 (the sliding rings wrap at 512) allocate, at their peak, less than 4 KB in
+    all, below the [1, F] GELU block (8 KB) or the [1, n_head·hd] queries (4 KB), and keep nothing."""
+    forward = model._forward
+    cache = forward.new_cache(model.context_length)
+    workspace = forward.new_workspace(1, model.context_length)
+    prompt = np.arange(1000, 1505, dtype=np.int64)
+    prefill_workspace = forward.new_workspace(len(prompt), model.context_length)
+    forward.forward(prompt, 0, cache, prefill_workspace, DISABLED_HOOKS, ExecutionPhase.PREFILL)
+    token = np.array([1000])
+    for position in range(505, 508):  # warm-up
+        forward.forward(token, position, cache, workspace, DISABLED_HOOKS, ExecutionPhase.DECODE)
+    peaks, retained = [], []
+    tracemalloc.start()
+    try:
+        for position in range(508, 524):
+            tracemalloc.reset_peak()
+            before, _ = tracemalloc.get_traced_memory()
+            forward.forward(token, position, cache, workspace, DISABLED_HOOKS, ExecutionPhase.DECODE)
+            after, peak = tracemalloc.get_traced_memory()
+            peaks.append(peak - before)
+            retained.append(after - before)
+    finally:
+        tracemalloc.stop()
+    assert max(peaks) < 4096, f"a decode step allocated {max(peaks)} bytes at once"
+    # NumPy keeps ~100-byte entries in internal caches while the key count still grows (before 512)
+    assert sum(retained) < 2048, retained

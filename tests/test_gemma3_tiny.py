@@ -268,3 +268,4 @@ def test_attention_scale_and_scaling(tmp_path: Path) -> None:
     assert build_config(metadata_only(tmp_path / "c.gguf", scaling=("linear", 8.0))).rope_linear_factor == 8.0
     with pytest.raises(ember.EmberError, match="rope scaling type 'yarn'"):
         build_config(metadata_only(tmp_path / "d.gguf", scaling=("yarn", 4.0)))
+

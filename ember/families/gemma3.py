@@ -203,6 +203,7 @@ class Workspace:
         self.head_scratch = np.zeros((rows, config.head_count, 1), f32)
         self.rope_a = np.zeros((rows, config.head_count, config.rope_dim // 2), f32)
         self.rope_b = np.zeros_like(self.rope_a)
+        self.rope_scratch = np.zeros((6, *self.rope_a.shape), f32) if rows == 1 else None
         self.attention_heads = np.zeros((rows, q_width), f32)
         self.attention_output = np.zeros((rows, H), f32)
         self.gate_up = np.zeros((rows, 2 * F), f32)
@@ -210,6 +211,8 @@ class Workspace:
         self.mlp_output = np.zeros((rows, H), f32)
         group = config.head_count // config.head_count_kv
         self.score_buffer = np.zeros(config.head_count * max_keys, f32) if rows == 1 else None
+        self.score_spread = np.zeros_like(self.score_buffer) if rows == 1 else None
+        self.head_spread = np.zeros((rows, config.head_count, hd), f32) if rows == 1 else None
         self.score_scratch = np.zeros((config.head_count_kv, group, 1), f32) if rows == 1 else None
         self.final_normed = np.zeros((1, H), f32)
         self.final_row_scratch = np.zeros((1, 1), f32)
@@ -249,7 +252,8 @@ class Gemma3Forward:
         hooks.begin_evaluation(phase, start_position, T)
 
         hidden = ws.hidden
-        np.take(w.token_embd, token_ids, axis=0, out=hidden)
+        # mode="clip" (ids are validated upstream): with the default "raise" NumPy copies via a temporary
+        np.take(w.token_embd, token_ids, axis=0, out=hidden, mode="clip")
         hidden *= np.float32(c.embedding_scale)
         for i, layer in enumerate(w.layers):
             hooks.before_layer(i, hidden)
@@ -259,16 +263,27 @@ class Gemma3Forward:
             q = ws.qkv[:, :q_width].reshape(T, n_head, hd)
             k = ws.qkv[:, q_width:q_width + kv_width].reshape(T, n_kv, hd)
             v = ws.qkv[:, q_width + kv_width:].reshape(T, n_kv, hd)
-            rms_norm(q, layer.q_norm, eps, q, ws.head_scratch)
-            rms_norm(k, layer.k_norm, eps, k, ws.head_scratch[:, :n_kv])
+            k_spread = ws.head_spread[:, :n_kv] if ws.head_spread is not None else None
+            rms_norm(q, layer.q_norm, eps, q, ws.head_scratch, ws.head_spread)
+            rms_norm(k, layer.k_norm, eps, k, ws.head_scratch[:, :n_kv], k_spread)
             cos_table, sin_table = self.layer_rope[i]
             cos, sin = cos_table[positions], sin_table[positions]
-            apply_rope(q, cos, sin, c.rope_layout, c.rope_dim, ws.rope_a, ws.rope_b)
-            apply_rope(k, cos, sin, c.rope_layout, c.rope_dim, ws.rope_a[:, :n_kv], ws.rope_b[:, :n_kv])
+            k_scratch = ws.rope_scratch[:, :, :n_kv] if ws.rope_scratch is not None else None
+            apply_rope(q, cos, sin, c.rope_layout, c.rope_dim, ws.rope_a, ws.rope_b, ws.rope_scratch)
+            apply_rope(k, cos, sin, c.rope_layout, c.rope_dim, ws.rope_a[:, :n_kv], ws.rope_b[:, :n_kv],
+                       k_scratch)
             keys, values, key_positions = cache.store(i, start_position, k, v)
+            window = self.layer_window[i]
+            if not window:
+                # a full layer's keys are positions 0…end−1 in order: let attention skip each prefill
+                # chunk's future keys
+                key_positions, window = None, 0
+            elif T == 1:
+                # one row on a sliding ring: the ring holds exactly the visible window, nothing to mask
+                window = 0
             attention(q, keys, values, start_position=start_position, scale=c.attention_scale,
                       out=ws.attention_heads, score_buffer=ws.score_buffer, row_scratch=ws.score_scratch,
-                      key_positions=key_positions, sliding_window=self.layer_window[i])
+                      key_positions=key_positions, sliding_window=window, spread_buffer=ws.score_spread)
             linear(ws.attention_heads, layer.attn_output, ws.attention_output)
             attention_output = rms_norm(ws.attention_output, layer.post_attention_norm, eps,
                                         ws.attention_output, ws.row_scratch)
