@@ -32,7 +32,7 @@ from ember.experiments.context import ExecutionPhase
 from ember.families import gemma4
 from ember.gguf_file import GGUFFile
 from ember.ops import apply_rope
-from tests.reference.gemma4_gguf import Gemma4Spec, random_state, tiny_gemma4_vocab, write_gguf
+from reference.gemma4_gguf import Gemma4Spec, random_state, tiny_gemma4_vocab, write_gguf
 
 VOCAB = len(tiny_gemma4_vocab().tokens)
 PROMPT = [2, 280, 281, 282, 283, 290, 291, 292, 293, 294]  # longer than the window (6)

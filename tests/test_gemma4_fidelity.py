@@ -21,7 +21,7 @@ from ember.experiments.context import ExecutionPhase
 from ember.families.gemma4 import build_config, build_forward
 from ember.gguf_file import GGUFFile
 from ember.weights import WeightStore
-from tests.reference.gemma4_gguf import (
+from reference.gemma4_gguf import (
     Gemma4Spec,
     dequantized_state,
     random_state,
@@ -123,7 +123,7 @@ CASES = {  # name: (spec changes, file type)
 
 @pytest.fixture(scope="module", params=sorted(CASES))
 def case(request, tmp_path_factory):
-    from tests.reference.gemma4_reference import build_hf, capture
+    from reference.gemma4_reference import build_hf, capture
 
     changes, qtype = CASES[request.param]
     spec = Gemma4Spec(vocab_size=len(tiny_gemma4_vocab().tokens), **changes)
@@ -153,7 +153,7 @@ def test_the_window_and_sharing_matter(case) -> None:
     last = len(PROMPT) + len(DECODE) - 1
     assert relative_error(reference[-1].logits[-1], full[last]) < TOLERANCE
     # ... and a model without the window gives different logits past it.
-    from tests.reference.gemma4_reference import build_hf, hf_state
+    from reference.gemma4_reference import build_hf, hf_state
 
     wide = build_hf(dataclasses.replace(spec, sliding_window=64), hf_state(model))
     with torch.no_grad():

@@ -18,7 +18,7 @@ from ember.experiments.context import ExecutionPhase
 from ember.families.gemma4 import build_config, build_forward
 from ember.gguf_file import GGUFFile
 from ember.weights import WeightStore
-from tests.reference.gemma4_gguf import Gemma4Spec, random_state, tiny_gemma4_vocab, write_gguf
+from reference.gemma4_gguf import Gemma4Spec, random_state, tiny_gemma4_vocab, write_gguf
 
 llama_cpp = pytest.importorskip("llama_cpp")
 

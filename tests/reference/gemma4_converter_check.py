@@ -1,6 +1,6 @@
 """Check `gemma4_gguf.write_gguf` against llama.cpp's own converter (a manual check, not a test).
 
-    python -m tests.reference.gemma4_converter_check /path/to/llama.cpp [workdir]
+    PYTHONPATH=tests python -m reference.gemma4_converter_check /path/to/llama.cpp [workdir]
 
 For both tiny variants (base and attention_k_eq_v) and the F32/F16/Q8_0 file types it saves the HF
 model (plus a HF tokenizer for the tiny vocabulary), runs llama.cpp's `convert_hf_to_gguf.py` on it and
@@ -23,8 +23,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from tests.reference.gemma4_gguf import Gemma4Spec, random_state, tiny_gemma4_vocab, write_gguf
-from tests.reference.gemma4_reference import build_hf
+from reference.gemma4_gguf import Gemma4Spec, random_state, tiny_gemma4_vocab, write_gguf
+from reference.gemma4_reference import build_hf
 
 VARIANTS = {"base": {}, "k_eq_v": {"attention_k_eq_v": True, "num_global_key_value_heads": 1}}
 FILE_TYPES = {"f32": gguf.GGMLQuantizationType.F32, "f16": gguf.GGMLQuantizationType.F16,

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from tests.reference.gemma4_gguf import Gemma4Spec, hf_shapes
+from reference.gemma4_gguf import Gemma4Spec, hf_shapes
 
 __all__ = ["Evaluation", "build_hf", "capture", "hf_state"]
 
