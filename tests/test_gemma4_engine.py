@@ -15,6 +15,7 @@ import gguf
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
+from reference.gemma4_gguf import Gemma4Spec, random_state, tiny_gemma4_vocab, write_gguf
 
 import ember
 from ember.config import RopeLayout
@@ -32,7 +33,6 @@ from ember.experiments.context import ExecutionPhase
 from ember.families import gemma4
 from ember.gguf_file import GGUFFile
 from ember.ops import apply_rope
-from reference.gemma4_gguf import Gemma4Spec, random_state, tiny_gemma4_vocab, write_gguf
 
 VOCAB = len(tiny_gemma4_vocab().tokens)
 PROMPT = [2, 280, 281, 282, 283, 290, 291, 292, 293, 294]  # longer than the window (6)

@@ -16,11 +16,6 @@ import dataclasses
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
-
-from ember.experiments.context import ExecutionPhase
-from ember.families.gemma4 import build_config, build_forward
-from ember.gguf_file import GGUFFile
-from ember.weights import WeightStore
 from reference.gemma4_gguf import (
     Gemma4Spec,
     dequantized_state,
@@ -28,6 +23,11 @@ from reference.gemma4_gguf import (
     tiny_gemma4_vocab,
     write_gguf,
 )
+
+from ember.experiments.context import ExecutionPhase
+from ember.families.gemma4 import build_config, build_forward
+from ember.gguf_file import GGUFFile
+from ember.weights import WeightStore
 
 pytestmark = [pytest.mark.reference]
 

@@ -12,13 +12,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
+from reference.gemma4_gguf import Gemma4Spec, random_state, tiny_gemma4_vocab, write_gguf
 
 from ember.experiments.adapters import DISABLED_HOOKS
 from ember.experiments.context import ExecutionPhase
 from ember.families.gemma4 import build_config, build_forward
 from ember.gguf_file import GGUFFile
 from ember.weights import WeightStore
-from reference.gemma4_gguf import Gemma4Spec, random_state, tiny_gemma4_vocab, write_gguf
 
 llama_cpp = pytest.importorskip("llama_cpp")
 
