@@ -71,9 +71,10 @@ class SlidingWindowKV:
     * one row (decode): the row is written into its slot first, then every filled slot is returned as
       views (no copy). The slots hold exactly the visible window; `positions` says where each key is.
     * several rows (prefill): the earlier rows' keys may still be needed by the batch, so the returned
-      keys are a new array holding the ring's previous contents followed by the batch's own rows (pass
-      the positions and the window to attention to mask them); then the last `window` rows of the batch
-      are written into the ring.
+      keys are a new array holding the ring's previous contents followed by the batch's own rows, in
+      ascending position order (pass the positions and the window to attention to mask them; a caller
+      may also slice out each query chunk's window); then the last `window` rows of the batch are
+      written into the ring.
     """
 
     def __init__(self, kv_heads: int, window: int, head_dim: int, value_dim: int | None = None) -> None:
@@ -103,9 +104,10 @@ class SlidingWindowKV:
             visible = min(end, self.window)
             return self.keys[:, :visible], self.values[:, :visible], self.positions[:visible]
 
-        all_keys = np.concatenate([self.keys[:, :filled], keys.transpose(1, 0, 2)], axis=1)
-        all_values = np.concatenate([self.values[:, :filled], values.transpose(1, 0, 2)], axis=1)
-        all_positions = np.concatenate([self.positions[:filled], np.arange(start_position, end)])
+        order = np.argsort(self.positions[:filled])  # the ring's slots, oldest position first
+        all_keys = np.concatenate([self.keys[:, order], keys.transpose(1, 0, 2)], axis=1)
+        all_values = np.concatenate([self.values[:, order], values.transpose(1, 0, 2)], axis=1)
+        all_positions = np.concatenate([self.positions[order], np.arange(start_position, end)])
         kept = min(count, self.window)
         self._write(end - kept, keys[count - kept:], values[count - kept:])
         return all_keys, all_values, all_positions

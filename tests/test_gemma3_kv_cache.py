@@ -88,3 +88,24 @@ def test_layered_cache_build() -> None:
     assert isinstance(cache.layers[1], FullLayerKV) and cache.layers[1].keys.shape == (1, 64, 8)
     assert isinstance(cache.layers[2], FullLayerKV)  # a window wider than the context is a full layer
     assert cache.length == 0
+
+
+def test_chunked_sliding_prefill_matches_the_masked_reference() -> None:
+    """Gemma 3's prefill on a sliding layer: per query chunk, only the keys its window reaches; with
+    earlier ring contents (out of slot order after wrapping) and more rows than one chunk."""
+    from ember.families.gemma3 import sliding_prefill_attention
+    from ember.ops import PREFILL_QUERY_CHUNK
+
+    rng = np.random.default_rng(7)
+    window, earlier, count = 40, 57, PREFILL_QUERY_CHUNK * 2 + 30
+    total = earlier + count
+    q_all, k_all, v_all = rows(rng, total, HEADS), rows(rng, total, KV_HEADS), rows(rng, total, KV_HEADS)
+    ring = SlidingWindowKV(KV_HEADS, window, HEAD_DIM)
+    ring.store(0, k_all[:earlier], v_all[:earlier])
+    keys, values, positions = ring.store(earlier, k_all[earlier:], v_all[earlier:])
+    assert positions.tolist() == list(range(earlier - window, total))  # ascending, window of earlier ones
+    out = np.zeros((count, HEADS * HEAD_DIM), np.float32)
+    sliding_prefill_attention(q_all[earlier:].copy(), keys, values, positions, earlier, window,
+                              1 / np.sqrt(HEAD_DIM), out)
+    expected = reference(q_all[earlier:], k_all, v_all, earlier, window)
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)

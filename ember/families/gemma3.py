@@ -32,7 +32,7 @@ from ember.errors import GGUFError
 from ember.experiments.context import ExecutionPhase, ModelFamily
 from ember.gguf_file import GGUFFile
 from ember.kv_cache import LayeredKVCache
-from ember.ops import apply_rope, attention, gelu_tanh_inplace, linear, rms_norm
+from ember.ops import PREFILL_QUERY_CHUNK, apply_rope, attention, gelu_tanh_inplace, linear, rms_norm
 from ember.weights import WeightStore
 
 DEFAULT_SLIDING_PATTERN = 6  # llama.cpp's default for gemma3: five sliding layers, then one full
@@ -274,16 +274,17 @@ class Gemma3Forward:
                        k_scratch)
             keys, values, key_positions = cache.store(i, start_position, k, v)
             window = self.layer_window[i]
-            if not window:
-                # a full layer's keys are positions 0…end−1 in order: let attention skip each prefill
-                # chunk's future keys
-                key_positions, window = None, 0
-            elif T == 1:
-                # one row on a sliding ring: the ring holds exactly the visible window, nothing to mask
-                window = 0
-            attention(q, keys, values, start_position=start_position, scale=c.attention_scale,
-                      out=ws.attention_heads, score_buffer=ws.score_buffer, row_scratch=ws.score_scratch,
-                      key_positions=key_positions, sliding_window=window, spread_buffer=ws.score_spread)
+            if window and T > 1:
+                # sliding layer, a batch: each query chunk against the keys its window reaches
+                sliding_prefill_attention(q, keys, values, key_positions, start_position, window,
+                                          c.attention_scale, ws.attention_heads)
+            else:
+                # full layer: the keys are positions 0…end−1 in order, no window (attention skips each
+                # prefill chunk's future keys); sliding layer, one row: the ring holds exactly the
+                # visible window, so nothing is masked
+                attention(q, keys, values, start_position=start_position, scale=c.attention_scale,
+                          out=ws.attention_heads, score_buffer=ws.score_buffer, row_scratch=ws.score_scratch,
+                          spread_buffer=ws.score_spread)
             linear(ws.attention_heads, layer.attn_output, ws.attention_output)
             attention_output = rms_norm(ws.attention_output, layer.post_attention_norm, eps,
                                         ws.attention_output, ws.row_scratch)
@@ -328,6 +329,25 @@ class Gemma3Forward:
             np.tanh(out, out=out)
             out *= cap
         return out
+
+
+def sliding_prefill_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, key_positions: np.ndarray,
+                              start_position: int, window: int, scale: float, out: np.ndarray) -> None:
+    """Attention of a batch on a sliding layer, one query chunk at a time over only the keys its window
+    can reach (keys in ascending position order, as `SlidingWindowKV.store` returns them for a batch).
+
+    Same result as one `attention` call over every key with the mask, without scoring a long prompt's
+    rows against thousands of keys that are all masked.
+    """
+    token_count = q.shape[0]
+    for first_row in range(0, token_count, PREFILL_QUERY_CHUNK):
+        last_row = min(first_row + PREFILL_QUERY_CHUNK, token_count)
+        oldest = int(np.searchsorted(key_positions, start_position + first_row - window + 1))
+        newest = int(np.searchsorted(key_positions, start_position + last_row - 1, side="right"))
+        reach = slice(oldest, newest)
+        attention(q[first_row:last_row], keys[:, reach], values[:, reach],
+                  start_position=start_position + first_row, scale=scale, out=out[first_row:last_row],
+                  key_positions=key_positions[reach], sliding_window=window)
 
 
 def build_forward(config: Gemma3Config, store: WeightStore, context_length: int) -> Gemma3Forward:
