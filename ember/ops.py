@@ -79,15 +79,20 @@ def gelu_tanh_inplace(x: np.ndarray, scratch: np.ndarray) -> np.ndarray:
 
 def rope_tables(rope_dim: int, base: float, context_length: int, *, linear_factor: float = 1.0,
                 frequency_factors: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """cos and sin of θ[p, i] = p / linear_factor · base^(−2i/rope_dim) / f_i, shape [context, rope_dim/2]."""
-    half = rope_dim // 2
-    inverse_frequency = base ** (-np.arange(half, dtype=np.float64) * 2.0 / rope_dim)
+    """cos and sin [context, rope_dim/2] of θ[p, i] = p · inv_freq[i], formed in float32 as transformers does.
+
+    inv_freq[i] = 1 / base^(2i / rope_dim) / f_i / linear_factor, each step rounded to float32. A one-ulp
+    difference in inv_freq moves θ by ~3e-5 rad at position 500; on Gemma 3 270M that alone put layer
+    outputs 2.7e-4 (relative) away from transformers instead of 5e-5.
+    """
+    exponents = np.arange(0, rope_dim, 2, dtype=np.float32) / np.float32(rope_dim)
+    inverse_frequency = np.float32(1.0) / (base ** exponents.astype(np.float64)).astype(np.float32)
     if frequency_factors is not None:
-        inverse_frequency = inverse_frequency / frequency_factors.astype(np.float64)
-    positions = np.arange(context_length, dtype=np.float64) / linear_factor
-    # θ is formed in float32 as HF does (p · inv_freq), then cos/sin are taken of it.
-    theta = (positions[:, None].astype(np.float32) * inverse_frequency[None, :].astype(np.float32))
-    return np.cos(theta).astype(np.float32), np.sin(theta).astype(np.float32)
+        inverse_frequency = inverse_frequency / frequency_factors.astype(np.float32)
+    if linear_factor != 1.0:
+        inverse_frequency = inverse_frequency / np.float32(linear_factor)
+    theta = np.arange(context_length, dtype=np.float32)[:, None] * inverse_frequency[None, :]
+    return np.cos(theta), np.sin(theta)
 
 
 def apply_rope(

@@ -30,9 +30,18 @@ import numpy as np
 from ember.config import MetadataReader, ModelConfig, RopeLayout
 from ember.errors import GGUFError
 from ember.experiments.context import ExecutionPhase, ModelFamily
+from ember.families.head import final_norm_and_logits
 from ember.gguf_file import GGUFFile
 from ember.kv_cache import LayeredKVCache
-from ember.ops import PREFILL_QUERY_CHUNK, apply_rope, attention, gelu_tanh_inplace, linear, rms_norm
+from ember.ops import (
+    PREFILL_QUERY_CHUNK,
+    apply_rope,
+    attention,
+    gelu_tanh_inplace,
+    linear,
+    rms_norm,
+    rope_tables,
+)
 from ember.weights import WeightStore
 
 DEFAULT_SLIDING_PATTERN = 6  # llama.cpp's default for gemma3: five sliding layers, then one full
@@ -118,24 +127,6 @@ def build_config(gguf: GGUFFile) -> Gemma3Config:
         embedding_scale=float(np.float32(math.sqrt(hidden_size))),
         final_logit_softcap=meta.float("final_logit_softcapping", 0.0),
     )
-
-
-def rope_tables(rope_dim: int, base: float, context_length: int,
-                linear_factor: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
-    """cos and sin [context, rope_dim/2] of θ[p, i] = p · inv_freq[i], formed in float32 as transformers does.
-
-    inv_freq[i] = 1 / base^(2i / rope_dim) with each step rounded to float32 (the exponent, the power,
-    the reciprocal), then divided by the linear factor. A one-ulp difference in inv_freq moves θ by
-    ~3e-5 rad at position 500; on Gemma 3 270M that alone put the layer outputs 2.7e-4 (relative) away
-    from transformers instead of 5e-5, hence this table rather than `ember.ops.rope_tables`.
-    """
-    exponents = np.arange(0, rope_dim, 2, dtype=np.float32) / np.float32(rope_dim)
-    powers = (base ** exponents.astype(np.float64)).astype(np.float32)
-    inverse_frequency = np.float32(1.0) / powers
-    if linear_factor != 1.0:
-        inverse_frequency = inverse_frequency / np.float32(linear_factor)
-    theta = np.arange(context_length, dtype=np.float32)[:, None] * inverse_frequency[None, :]
-    return np.cos(theta), np.sin(theta)
 
 
 @dataclass(slots=True)
@@ -304,21 +295,8 @@ class Gemma3Forward:
             hooks.after_layer(i, hidden)
 
         cache.length = start_position + T
-        if all_logits:
-            normed = rms_norm(hidden, w.output_norm, eps, ws.normed, ws.row_scratch)
-            last_normed = normed[T - 1:]
-        else:
-            last_normed = rms_norm(hidden[T - 1:], w.output_norm, eps, ws.final_normed, ws.final_row_scratch)
-        hooks.before_logits(last_normed)
-        logits = self.lm_head(last_normed, ws.logits)
-        hooks.after_logits(logits)
-        if all_logits:
-            every = np.empty((T, c.vocab_size), np.float32)
-            if T > 1:
-                self.lm_head(normed[:T - 1], every[:T - 1])
-            every[T - 1] = logits[0]
-            return every
-        return logits
+        return final_norm_and_logits(hidden, w.output_norm, eps, ws, hooks, self.lm_head, c.vocab_size,
+                                     all_logits)
 
     def lm_head(self, normed: np.ndarray, out: np.ndarray) -> np.ndarray:
         """out = normed Eᵀ, soft-capped when the model has a final logit softcap."""

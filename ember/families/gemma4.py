@@ -46,6 +46,7 @@ import numpy as np
 from ember.config import MetadataReader, ModelConfig, RopeLayout
 from ember.errors import GGUFError
 from ember.experiments.context import ExecutionPhase, ModelFamily
+from ember.families.head import final_norm_and_logits
 from ember.gguf_file import GGUFFile
 from ember.kv_cache import LayeredKVCache
 from ember.ops import apply_rope, attention, gelu_tanh_inplace, linear, rms_norm
@@ -510,21 +511,8 @@ class Gemma4Forward:
             hooks.after_layer(i, hidden)
 
         cache.length = start_position + T
-        if all_logits:
-            normed = rms_norm(hidden, w.output_norm, eps, ws.normed, ws.row_scratch)
-            last_normed = normed[T - 1:]
-        else:
-            last_normed = rms_norm(hidden[T - 1:], w.output_norm, eps, ws.final_normed, ws.final_row_scratch)
-        hooks.before_logits(last_normed)
-        logits = self.logits(last_normed, ws.logits)
-        hooks.after_logits(logits)
-        if all_logits:
-            every = np.empty((T, c.vocab_size), np.float32)
-            if T > 1:
-                self.logits(normed[:T - 1], every[:T - 1])
-            every[T - 1] = logits[0]
-            return every
-        return logits
+        return final_norm_and_logits(hidden, w.output_norm, eps, ws, hooks, self.logits, c.vocab_size,
+                                     all_logits)
 
     def logits(self, normed: np.ndarray, out: np.ndarray) -> np.ndarray:
         """The tied LM head, then the final softcap c·tanh(x/c)."""

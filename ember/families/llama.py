@@ -24,6 +24,7 @@ import numpy as np
 from ember.config import MetadataReader, ModelConfig, RopeLayout
 from ember.errors import GGUFError
 from ember.experiments.context import ExecutionPhase, ModelFamily
+from ember.families.head import final_norm_and_logits
 from ember.gguf_file import GGUFFile
 from ember.kv_cache import KVCache
 from ember.ops import apply_rope, attention, linear, rms_norm, rope_tables, silu_inplace
@@ -236,19 +237,8 @@ class LlamaForward:
             hooks.after_layer(i, hidden)
 
         cache.length = key_count
-        if all_logits:
-            normed = rms_norm(hidden, w.output_norm, c.rms_norm_eps, ws.normed, ws.row_scratch)
-            last_normed = normed[T - 1:]
-        else:
-            last_normed = rms_norm(hidden[T - 1:], w.output_norm, c.rms_norm_eps, ws.final_normed,
-                                   ws.final_row_scratch)
-        hooks.before_logits(last_normed)
-        logits = linear(last_normed, w.output, ws.logits)
-        hooks.after_logits(logits)
-        if all_logits:
-            every = np.empty((T, c.vocab_size), np.float32)
-            if T > 1:
-                linear(normed[:T - 1], w.output, every[:T - 1])
-            every[T - 1] = logits[0]
-            return every
-        return logits
+        return final_norm_and_logits(hidden, w.output_norm, c.rms_norm_eps, ws, hooks, self.lm_head,
+                                     c.vocab_size, all_logits)
+
+    def lm_head(self, normed: np.ndarray, out: np.ndarray) -> np.ndarray:
+        return linear(normed, self.weights.output, out)
