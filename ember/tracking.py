@@ -18,6 +18,7 @@ import logging
 import math
 import os
 import re
+import sys
 import tempfile
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -299,10 +300,43 @@ class SweepCallback(Callback):
     """
 
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
+        os.environ[SWEEP_SIZE_ENV] = str(_sweep_size(config) or "")
         start_sweep(config)
+
+    def on_job_start(self, config: Any, **kwargs: Any) -> None:
+        # Progress of a sweep, one plain line per job: readable on a terminal, in CI logs, and from
+        # joblib workers alike (a bar would be torn apart by the jobs' own output).
+        from omegaconf import OmegaConf
+
+        number = OmegaConf.select(config, "hydra.job.num", default=None)
+        if number is None:
+            return
+        size = os.environ.get(SWEEP_SIZE_ENV) or "?"
+        overrides = OmegaConf.select(config, "hydra.overrides.task", default=[]) or []
+        overrides = " ".join(str(o) for o in overrides)
+        print(f"ember: sweep job {int(number) + 1}/{size}: {overrides}", file=sys.stderr, flush=True)
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
         finish_sweep(str(config.hydra.sweep.dir))
+
+
+SWEEP_SIZE_ENV = "EMBER_SWEEP_SIZE"
+
+
+def _sweep_size(config: Any) -> int | None:
+    """How many jobs the basic sweeper will make of the sweep overrides (product of their choices)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
+
+    overrides = [str(o) for o in OmegaConf.select(config, "hydra.overrides.task", default=[]) or []]
+    try:
+        size = 1
+        for override in OverridesParser.create().parse_overrides(overrides):
+            if override.is_sweep_override():
+                size *= len(list(override.sweep_string_iterator()))
+        return size
+    except Exception:  # an exotic sweep (ranges, custom sweepers): progress then shows "?"
+        return None
 
 
 @dataclass(frozen=True, slots=True)

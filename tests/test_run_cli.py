@@ -309,10 +309,14 @@ def sweep_runs(workdir: Path, experiment: str):
     return parent, sorted(children, key=lambda r: int(r.data.tags["ember.job"]))
 
 
-def test_sweep_is_one_parent_run_and_reuses_the_loaded_model(workdir):
+def test_sweep_is_one_parent_run_and_reuses_the_loaded_model(workdir, capsys):
     runner._MODELS.clear()
     assert run_main("-m", "experiment=zero_layer", "layer=0,1,2,3", "max_new_tokens=2",
                     "mlflow.experiment_name=t_sweep") == 0
+    err = capsys.readouterr().err
+    progress = [line for line in err.splitlines() if line.startswith("ember: sweep job ")]
+    assert progress == [f"ember: sweep job {i + 1}/4: experiment=zero_layer layer={i} max_new_tokens=2 "
+                        "mlflow.experiment_name=t_sweep" for i in range(4)]
     parent, children = sweep_runs(workdir, "t_sweep")
     assert parent.info.status == "FINISHED" and len(children) == 4
     assert [c.data.params["experiments.0.layer"] for c in children] == ["0", "1", "2", "3"]
