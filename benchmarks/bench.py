@@ -434,7 +434,8 @@ def _target_mark(name: str, figure: str, value: float | None) -> str:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.bench", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m", help="model name for ember.sources")
+    parser.add_argument("--model", default="smollm2-135m",
+                        help="model name(s) for ember.sources, comma-separated (smollm2-135m,gemma3-270m)")
     parser.add_argument("--gguf", help="use this local GGUF file instead of resolving --model")
     parser.add_argument("--engines", default=",".join(ENGINES), help="comma-separated subset of: "
                         + ", ".join(ENGINES))
@@ -485,6 +486,21 @@ def main(argv: list[str] | None = None) -> None:
     unknown = [engine for engine in engines if engine not in ENGINES]
     if unknown:
         sys.exit(f"unknown engine(s) {unknown}; choose from {list(ENGINES)}")
+    models = [m.strip() for m in args.model.split(",") if m.strip()] if not args.gguf else [args.model]
+    reports = {}
+    for model in models:  # several models: one after the other, each against the references
+        args.model = model
+        reports[model] = bench_model(args, engines)
+    if args.json:
+        json_path = Path(args.json)
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        payload = reports[models[0]] if len(models) == 1 else reports
+        json_path.write_text(json.dumps(payload, indent=1) + "\n")
+        print(f"results written to {json_path}")
+
+
+def bench_model(args: argparse.Namespace, engines: list[str]) -> dict[str, Any]:
+    """Measure one model with every engine; print the table and write the default JSON file."""
     lengths = sorted(int(length) for length in args.prompt_lengths.split(","))
     gguf = resolve_gguf(args)
     tokenizer, prompts = prompt_ids(gguf, lengths)
@@ -541,10 +557,11 @@ def main(argv: list[str] | None = None) -> None:
         "runs": runs,
     }
     print_report(report)
-    json_path = Path(args.json) if args.json else default_json_path(args, report["model"])
+    json_path = default_json_path(args, report["model"])
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(report, indent=1) + "\n")
     print(f"results written to {json_path}")
+    return report
 
 
 def default_json_path(args: argparse.Namespace, model: str) -> Path:
