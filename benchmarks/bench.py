@@ -444,8 +444,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--prompt-lengths", default="128,512", help="prefill prompt lengths in tokens")
     parser.add_argument("--new-tokens", type=int, default=128, help="tokens generated for decode")
     parser.add_argument("--json", help="write results here (default: under benchmarks/results/)")
-    parser.add_argument("--openblas-env", choices=("inherit", "unset"), default="inherit",
-                        help=f"'unset' removes {' and '.join(OPENBLAS_VARIABLES)} from the workers' env")
+    # This machine sets OPENBLAS_CORETYPE/OPENBLAS_L2_SIZE for old OpenBLAS builds; they force slower
+    # kernels on a current NumPy, so by default the workers run without them (what a user's machine has).
+    parser.add_argument("--openblas-env", choices=("inherit", "unset"), default="unset",
+                        help=f"'unset' (default) removes {' and '.join(OPENBLAS_VARIABLES)} from the "
+                        "workers' env; 'inherit' keeps them")
     parser.add_argument("--timeout", type=float, default=1200, help="seconds allowed per worker process")
     parser.add_argument("--quiet-limit", type=float, default=0.3,
                         help="before each process, wait until other processes use fewer cores than this")
