@@ -345,7 +345,7 @@ def _load_model(source: str | os.PathLike[str] | ModelFile, context_length: int 
     threads = threads or default_threads()
     with step("tokenizer"):
         tokenizer = Tokenizer.from_gguf(gguf)
-    store = WeightStore(gguf, weight_cache)
+    store = WeightStore(gguf, weight_cache, in_memory=True)
     family = FAMILIES[config.architecture]
     with threadpool_limits(threads), step("weights"):
         forward = family.build_forward(config, store, context_length)

@@ -34,10 +34,17 @@ class WeightStore:
 
     `cache_dir` is the ember cache root (default: `ember_cache_dir()`, i.e. `$EMBER_CACHE` or the user
     cache dir); weights go under `<cache_dir>/weights/`. `cache_dir=False` turns the disk cache off.
+
+    `in_memory=True` returns read-only copies in the process's own memory instead of mappings of the
+    cache files. NumPy backs large arrays with transparent huge pages, which a file mapping cannot
+    have; decode streams every weight once per token, and on SmolLM2 this measured 67 → 74 tokens/s
+    (fewer TLB misses) for ~0.2 s more at load.
     """
 
-    def __init__(self, gguf_file: GGUFFile, cache_dir: str | os.PathLike[str] | bool | None = None) -> None:
+    def __init__(self, gguf_file: GGUFFile, cache_dir: str | os.PathLike[str] | bool | None = None,
+                 *, in_memory: bool = False) -> None:
         self.gguf = gguf_file
+        self.in_memory = in_memory
         if cache_dir is False:
             self.cache_dir: Path | None = None
         else:
@@ -57,7 +64,7 @@ class WeightStore:
     def matrix(self, name: str) -> np.ndarray:
         """The whole tensor as float32 in NumPy shape; a read-only memory map when the cache is on."""
         info = self.gguf.tensor(name)
-        return self._cached(name, info.shape, lambda: self._dequantize(name))
+        return self._resident(self._cached(name, info.shape, lambda: self._dequantize(name)))
 
     def concatenated(self, names: Sequence[str]) -> np.ndarray:
         """Several matrices stacked along their first axis (e.g. fused Q/K/V), cached as one file.
@@ -73,13 +80,19 @@ class WeightStore:
             raise GGUFError(f"{self.gguf.path}: cannot stack tensors of shapes {shapes}")
         shape = (sum(info.shape[0] for info in infos), *infos[0].shape[1:])
         key = "+".join(names)
-        return self._cached(key, shape, lambda: np.concatenate([self._dequantize(n) for n in names]))
+        stacked = self._cached(key, shape, lambda: np.concatenate([self._dequantize(n) for n in names]))
+        return self._resident(stacked)
+
+    def _resident(self, array: np.ndarray) -> np.ndarray:
+        if self.in_memory:
+            array.flags.writeable = False  # weights are never written, in memory as in a mapping
+        return array
 
     def _cached(self, key: str, shape: tuple[int, ...], produce: Callable[[], np.ndarray]) -> np.ndarray:
         if self.cache_dir is None:
             return produce()
         path = self.cache_dir / _file_name(key)
-        cached = _load_cached(path, shape)
+        cached = _load_cached(path, shape, mapped=not self.in_memory)
         if cached is not None:
             self.cache_hits[key] += 1
             return cached
@@ -97,6 +110,8 @@ class WeightStore:
                 f"ember: cannot write the weight cache at {self.cache_dir} ({e}); continuing without it",
                 stacklevel=3,
             )
+            return values
+        if self.in_memory:
             return values
         cached = _load_cached(path, shape)
         return values if cached is None else cached
@@ -135,10 +150,11 @@ def _file_name(key: str) -> str:
     return safe + ".npy"
 
 
-def _load_cached(path: Path, shape: tuple[int, ...]) -> np.ndarray | None:
-    """The cached array if it is present and whole, else None (a bad file is simply rewritten)."""
+def _load_cached(path: Path, shape: tuple[int, ...], mapped: bool = True) -> np.ndarray | None:
+    """The cached array (mapped, or read into memory) if it is present and whole, else None (a bad
+    file is simply rewritten)."""
     try:
-        array = np.load(path, mmap_mode="r", allow_pickle=False)
+        array = np.load(path, mmap_mode="r" if mapped else None, allow_pickle=False)
     except (OSError, ValueError, EOFError):
         return None
     if array.shape != shape or array.dtype != np.float32:

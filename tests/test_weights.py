@@ -228,3 +228,15 @@ def test_smollm2_warm_load_reads_the_cache_only(smollm2_path, tmp_path):
         np.testing.assert_array_equal(warm.matrix("blk.3.ffn_up.weight"), f.dequantize("blk.3.ffn_up.weight"))
     finally:
         shutil.rmtree(cache, ignore_errors=True)
+
+
+def test_in_memory_weights_equal_the_mapped_ones_and_are_read_only(model_file, tmp_path):
+    mapped = WeightStore(GGUFFile.open(model_file), tmp_path / "cache")
+    names = [n for n, info in mapped.gguf.tensors.items() if len(info.shape) == 2]
+    expected = {n: np.array(mapped.matrix(n)) for n in names}  # fills the cache
+    resident = WeightStore(GGUFFile.open(model_file), tmp_path / "cache", in_memory=True)
+    for name in names:
+        array = resident.matrix(name)
+        assert not isinstance(array, np.memmap) and not array.flags.writeable
+        np.testing.assert_array_equal(array, expected[name])
+    assert resident.cache_hits.total() == len(names) and resident.full_dequantizations.total() == 0
