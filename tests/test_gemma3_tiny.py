@@ -21,6 +21,7 @@ from typing import Any
 import gguf
 import numpy as np
 import pytest
+from reference.names import gguf_tensor_name
 
 import ember
 from ember.families.gemma3 import build_config
@@ -35,23 +36,6 @@ from test_gemma3_reference import LAYER_BOUNDARIES, Capture, hf_capture, relativ
 
 WINDOW = 4
 HEAD_DIM = 16
-
-_NAMES = {
-    "input_layernorm.weight": "attn_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight",
-    "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight",
-    "self_attn.o_proj.weight": "attn_output.weight",
-    "self_attn.q_norm.weight": "attn_q_norm.weight",
-    "self_attn.k_norm.weight": "attn_k_norm.weight",
-    "post_attention_layernorm.weight": "post_attention_norm.weight",
-    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight",
-    "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",
-    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
-}
-
 
 def spm_vocab() -> tuple[list[str], list[float], list[int]]:
     """A small SentencePiece-style vocabulary: <pad> <eos> <bos> <unk>, 256 byte tokens, ▁ and letters."""
@@ -136,13 +120,7 @@ def write_gemma3_gguf(model: Any, path: Path, variant: str) -> Path:
         if hf_name == "lm_head.weight":
             continue  # tied
         data = tensor.detach().to(torch.float32).numpy()
-        if hf_name == "model.embed_tokens.weight":
-            name = "token_embd.weight"
-        elif hf_name == "model.norm.weight":
-            name = "output_norm.weight"
-        else:
-            parts = hf_name.split(".")
-            name = f"blk.{parts[2]}.{_NAMES['.'.join(parts[3:])]}"
+        name = gguf_tensor_name("gemma3", model.config.num_hidden_layers, hf_name)
         if name.endswith("norm.weight"):
             data = data + np.float32(1.0)  # the converter's norm shift: the file holds 1 + w
         writer.add_tensor(name, np.ascontiguousarray(data, dtype=np.float32))

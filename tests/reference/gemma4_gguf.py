@@ -37,6 +37,8 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType
 
+from reference.names import gguf_tensor_name
+
 __all__ = ["Gemma4Spec", "TinyGemma4Vocab", "gguf_tensors", "random_state", "tiny_gemma4_vocab", "write_gguf"]
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -182,45 +184,8 @@ def tiny_gemma4_vocab() -> TinyGemma4Vocab:
 
 # --------------------------------------------------------------------------- tensors
 
-_GLOBAL_NAMES = {
-    "model.embed_tokens.weight": "token_embd.weight",
-    "model.embed_tokens_per_layer.weight": "per_layer_token_embd.weight",
-    "model.per_layer_model_projection.weight": "per_layer_model_proj.weight",
-    "model.per_layer_projection_norm.weight": "per_layer_proj_norm.weight",
-    "model.norm.weight": "output_norm.weight",
-    "lm_head.weight": "output.weight",
-}
-
-_LAYER_NAMES = {
-    "input_layernorm.weight": "attn_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight",
-    "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight",
-    "self_attn.o_proj.weight": "attn_output.weight",
-    "self_attn.q_norm.weight": "attn_q_norm.weight",
-    "self_attn.k_norm.weight": "attn_k_norm.weight",
-    "post_attention_layernorm.weight": "post_attention_norm.weight",
-    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
-    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight",
-    "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",
-    "layer_scalar": "layer_output_scale.weight",
-    "per_layer_input_gate.weight": "inp_gate.weight",
-    "per_layer_projection.weight": "proj.weight",
-    "post_per_layer_input_norm.weight": "post_norm.weight",
-}
-
-
-def gguf_name(hf_name: str) -> str:
-    if hf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[hf_name]
-    parts = hf_name.split(".")
-    if parts[:2] == ["model", "layers"] and parts[2].isdecimal():
-        suffix = ".".join(parts[3:])
-        if suffix in _LAYER_NAMES:
-            return f"blk.{parts[2]}.{_LAYER_NAMES[suffix]}"
-    raise ValueError(f"no GGUF name for HF tensor {hf_name!r}")
+def gguf_name(spec: Gemma4Spec, hf_name: str) -> str:
+    return gguf_tensor_name("gemma4", spec.num_hidden_layers, hf_name)
 
 
 def rope_freqs(spec: Gemma4Spec) -> np.ndarray:
@@ -292,7 +257,7 @@ def gguf_tensors(spec: Gemma4Spec, state: dict[str, np.ndarray]) -> Iterator[tup
         tied_head = spec.tie_word_embeddings and hf_name == "lm_head.weight"
         if hf_name.endswith("rotary_emb.inv_freq") or tied_head:
             continue
-        yield gguf_name(hf_name), np.ascontiguousarray(data, dtype=np.float32)
+        yield gguf_name(spec, hf_name), np.ascontiguousarray(data, dtype=np.float32)
 
 
 def tensor_type(name: str, data: np.ndarray, qtype: GGMLQuantizationType) -> GGMLQuantizationType:
@@ -389,7 +354,7 @@ def dequantized_state(path: str | Path, spec: Gemma4Spec) -> dict[str, np.ndarra
     """Read back the file's weights under HF names (to give HF exactly what a quantized file holds)."""
     reverse = {}
     for hf_name in hf_shapes(spec):
-        reverse[gguf_name(hf_name)] = hf_name
+        reverse[gguf_name(spec, hf_name)] = hf_name
     reader = gguf.GGUFReader(path)
     state = {}
     for tensor in reader.tensors:

@@ -33,6 +33,8 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
+from reference.names import gguf_tensor_name
+
 __all__ = [
     "TinyVocab",
     "gguf_arch",
@@ -50,27 +52,6 @@ _FILE_TYPES = {
     GGMLQuantizationType.F16: gguf.LlamaFileType.MOSTLY_F16,
     GGMLQuantizationType.Q8_0: gguf.LlamaFileType.MOSTLY_Q8_0,
 }
-
-_LAYER_NAMES = {
-    "input_layernorm.weight": "attn_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight",
-    "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight",
-    "self_attn.o_proj.weight": "attn_output.weight",
-    "self_attn.q_norm.weight": "attn_q_norm.weight",
-    "self_attn.k_norm.weight": "attn_k_norm.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight",
-    "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",
-}
-
-_GLOBAL_NAMES = {
-    "model.embed_tokens.weight": "token_embd.weight",
-    "model.norm.weight": "output_norm.weight",
-    "lm_head.weight": "output.weight",
-}
-
 
 # --------------------------------------------------------------------------- tokenizer
 
@@ -194,17 +175,6 @@ def llama3_rope_factors(config) -> np.ndarray | None:
     return np.asarray(factors, dtype=np.float32)
 
 
-def _gguf_name(hf_name: str) -> str:
-    if hf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[hf_name]
-    parts = hf_name.split(".")
-    if parts[:2] == ["model", "layers"] and parts[2].isdecimal():
-        suffix = ".".join(parts[3:])
-        if suffix in _LAYER_NAMES:
-            return f"blk.{parts[2]}.{_LAYER_NAMES[suffix]}"
-    raise ValueError(f"no GGUF name for HF tensor {hf_name!r}")
-
-
 def gguf_tensors(model: torch.nn.Module, *, permute_qk: bool = True) -> Iterator[tuple[str, np.ndarray]]:
     """(GGUF name, float32 numpy array in the GGUF layout) in the converter's order.
 
@@ -225,7 +195,7 @@ def gguf_tensors(model: torch.nn.Module, *, permute_qk: bool = True) -> Iterator
             data = permute_rows(data, config.num_attention_heads)
         elif arch == "llama" and permute_qk and hf_name.endswith("self_attn.k_proj.weight"):
             data = permute_rows(data, config.num_key_value_heads)
-        yield _gguf_name(hf_name), np.ascontiguousarray(data)
+        yield gguf_tensor_name(arch, config.num_hidden_layers, hf_name), np.ascontiguousarray(data)
 
 
 def _tensor_type(name: str, data: np.ndarray, qtype: GGMLQuantizationType) -> GGMLQuantizationType:
@@ -318,18 +288,6 @@ def write_gguf(model: torch.nn.Module, path: str | Path, *,
 # --------------------------------------------------------------------------- reading back
 
 
-def _hf_name(gguf_name: str) -> str:
-    for hf_name, name in _GLOBAL_NAMES.items():
-        if name == gguf_name:
-            return hf_name
-    parts = gguf_name.split(".")
-    suffix = ".".join(parts[2:])
-    for hf_suffix, name in _LAYER_NAMES.items():
-        if name == suffix:
-            return f"model.layers.{parts[1]}.{hf_suffix}"
-    raise ValueError(f"no HF name for GGUF tensor {gguf_name!r}")
-
-
 def load_gguf_weights_into_hf(model: torch.nn.Module, path: str | Path) -> list[str]:
     """Dequantize every tensor of `path`, undo the llama Q/K permutation and copy it into `model`.
 
@@ -340,6 +298,8 @@ def load_gguf_weights_into_hf(model: torch.nn.Module, path: str | Path) -> list[
     config = model.config
     reader = gguf.GGUFReader(path)
     state = model.state_dict()
+    hf_names = {gguf_tensor_name(arch, config.num_hidden_layers, name): name
+                for name in state if not name.endswith("inv_freq")}
     covered = set()
     loaded = []
     with torch.no_grad():
@@ -347,7 +307,7 @@ def load_gguf_weights_into_hf(model: torch.nn.Module, path: str | Path) -> list[
             if tensor.name == "rope_freqs.weight":
                 continue
             data = gguf.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
-            hf_name = _hf_name(tensor.name)
+            hf_name = hf_names[tensor.name]
             if arch == "llama" and hf_name.endswith("self_attn.q_proj.weight"):
                 data = unpermute_rows(data, config.num_attention_heads)
             elif arch == "llama" and hf_name.endswith("self_attn.k_proj.weight"):
