@@ -1,7 +1,7 @@
 """ModelConfig: the typed, immutable description of a model, derived from GGUF metadata.
 
-Each family reads its own metadata keys in one place (`config_from_gguf` dispatches on the
-architecture); the engine never looks at raw metadata after this point.
+Each family reads its own metadata keys in one place (`ember.families.config_from_gguf` dispatches on
+the architecture); the engine never looks at raw metadata after this point. This module knows no family.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from ember.errors import GGUFError, UnsupportedArchitectureError
+from ember.errors import GGUFError
 from ember.experiments.context import ModelFamily
 from ember.gguf_file import GGUFFile
 
@@ -101,16 +101,3 @@ class MetadataReader:
                 f"which the {self.arch} family does not support"
             )
         return values.pop()
-
-
-def config_from_gguf(gguf: GGUFFile) -> ModelConfig:
-    """Build the config of a supported architecture, or say which ones are supported."""
-    from ember.families import FAMILIES
-
-    family = FAMILIES.get(gguf.architecture)
-    if family is None:
-        supported = ", ".join(sorted(FAMILIES))
-        raise UnsupportedArchitectureError(
-            f"{gguf.path}: architecture '{gguf.architecture}' is not supported (supported: {supported})"
-        )
-    return family.build_config(gguf)

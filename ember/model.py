@@ -20,14 +20,14 @@ from typing import Any
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from ember.config import ModelConfig, config_from_gguf
+from ember.config import ModelConfig
 from ember.errors import ConfigError, ContextLengthError
 from ember.experiments.adapters import DISABLED_HOOKS
 from ember.experiments.context import ExecutionPhase, ModelContext, TracingState
 from ember.experiments.failure import ExperimentFailure
 from ember.experiments.results import ExperimentResult
 from ember.experiments.runner import ExperimentRunner
-from ember.families import FAMILIES
+from ember.families import FAMILIES, config_from_gguf
 from ember.gguf_file import GGUFFile
 from ember.kv_cache import SlidingWindowKV
 from ember.sampling import Sampler, SamplingSettings

@@ -21,6 +21,7 @@ import pytest
 from run_support import prepared_store
 
 from ember import run as runner
+from ember.runs import models
 
 REPO = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
@@ -212,7 +213,7 @@ def test_chat_messages_go_through_the_chat_template(workdir):
     run = only_run(workdir, "t_chat")
     assert run.data.params["messages.0.role"] == "user" and run.data.params["messages.0.content"] == "Hi"
     generation = json.loads(artifact(workdir, run, "generation.json").read_text())
-    tokenizer = runner._MODELS[next(iter(runner._MODELS))].tokenizer
+    tokenizer = models._MODELS[next(iter(models._MODELS))].tokenizer
     prompt = tokenizer.decode(generation["prompt_token_ids"], special=True)
     assert "<|im_start|>user\nHi<|im_end|>" in prompt and prompt.endswith("<|im_start|>assistant\n")
 
@@ -310,7 +311,7 @@ def sweep_runs(workdir: Path, experiment: str):
 
 
 def test_sweep_is_one_parent_run_and_reuses_the_loaded_model(workdir, capsys):
-    runner._MODELS.clear()
+    models.clear()
     assert run_main("-m", "experiment=zero_layer", "layer=0,1,2,3", "max_new_tokens=2",
                     "mlflow.experiment_name=t_sweep") == 0
     err = capsys.readouterr().err

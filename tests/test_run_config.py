@@ -14,8 +14,10 @@ from hydra import compose, initialize_config_dir
 
 from ember.errors import ConfigError, ContextLengthError
 from ember.experiments import BUILTIN_EXPERIMENTS, ActivationStats, ZeroLayerOutput
-from ember.run import CONF_DIR, intervention_effect, run_name
+from ember.run import CONF_DIR
 from ember.runconfig import build_experiments, check_model_fit, parse_run_config
+from ember.runs.effect import intervention_effect
+from ember.runs.prepare import run_name
 
 REPO = Path(__file__).resolve().parent.parent
 

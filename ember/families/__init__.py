@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ember.config import ModelConfig
+from ember.errors import UnsupportedArchitectureError
 from ember.families import gemma3, gemma4, llama
 from ember.gguf_file import GGUFFile
 from ember.weights import WeightStore
@@ -28,3 +29,14 @@ FAMILIES: dict[str, Family] = {
     "gemma3": Family(gemma3.build_config, gemma3.build_forward),
     "gemma4": Family(gemma4.build_config, gemma4.build_forward),
 }
+
+
+def config_from_gguf(gguf: GGUFFile) -> ModelConfig:
+    """Build the config of a supported architecture, or say which ones are supported."""
+    family = FAMILIES.get(gguf.architecture)
+    if family is None:
+        supported = ", ".join(sorted(FAMILIES))
+        raise UnsupportedArchitectureError(
+            f"{gguf.path}: architecture '{gguf.architecture}' is not supported (supported: {supported})"
+        )
+    return family.build_config(gguf)

@@ -1,0 +1,88 @@
+"""How much an intervention changed the model: the intervened logits against one clean prefill."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ember.experiments import Experiment
+from ember.runs.records import Recorder
+
+
+class LogitsRecorder(Experiment):
+    """Internal observer placed after the user's experiments: keeps the logits each evaluation
+    produced (after every intervention), to compare with the clean model afterwards."""
+
+    name = "ember.intervened_logits"
+    may_write = False
+
+    def __init__(self) -> None:
+        self.rows: list[np.ndarray] = []
+
+    def after_logits(self, ctx: Any, logits: Any) -> None:
+        self.rows.append(np.array(logits.values()[-1], dtype=np.float32))
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = logits.astype(np.float64) - logits.max(axis=-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
+
+@dataclass(frozen=True, slots=True)
+class InterventionEffect:
+    kl: np.ndarray                 # [steps] KL(clean || intervened) of the next-token distributions
+    top1_agree: np.ndarray         # [steps] bool: the greedy choices agree
+    first_divergent_step: int      # -1: the greedy choices never differ
+
+    @property
+    def vacuous(self) -> bool:
+        return bool(self.kl.size) and float(self.kl.max()) < 1e-6 and bool(self.top1_agree.all())
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "steps": int(self.kl.size),
+            "kl_mean": float(self.kl.mean()) if self.kl.size else 0.0,
+            "kl_max": float(self.kl.max()) if self.kl.size else 0.0,
+            "top1_agreement": float(self.top1_agree.mean()) if self.kl.size else 1.0,
+            "first_divergent_step": self.first_divergent_step,
+            "vacuous": self.vacuous,
+            "kl": self.kl.tolist(),
+            "top1_agree": self.top1_agree.astype(int).tolist(),
+        }
+
+
+def intervention_effect(clean: np.ndarray, intervened: np.ndarray) -> InterventionEffect:
+    """Compare aligned rows of clean and intervened logits ([steps, V] each)."""
+    clean_log = _log_softmax(clean)
+    intervened_log = _log_softmax(intervened)
+    kl = (np.exp(clean_log) * (clean_log - intervened_log)).sum(axis=-1)
+    agree = clean.argmax(axis=-1) == intervened.argmax(axis=-1)
+    differ = np.flatnonzero(~agree)
+    return InterventionEffect(np.maximum(kl, 0.0), agree, int(differ[0]) if differ.size else -1)
+
+
+def measure_effect(model: Any, prompt_ids: list[int], generated: list[int],
+                   recorded: list[np.ndarray]) -> InterventionEffect | None:
+    """One clean prefill over prompt + generated tokens; row P-1+s predicts generated token s."""
+    steps = min(len(recorded), len(generated) + 1)
+    if steps == 0:
+        return None
+    sequence = list(prompt_ids) + list(generated[: steps - 1])
+    clean = model.logits(sequence)[len(prompt_ids) - 1 : len(prompt_ids) - 1 + steps]
+    return intervention_effect(clean, np.stack(recorded[:steps]))
+
+
+def record_effect(recorder: Recorder, effect: InterventionEffect) -> None:
+    s = effect.summary()
+    metrics = [("effect.kl", float(v), i) for i, v in enumerate(effect.kl)]
+    metrics += [("effect.top1_agree", float(v), i) for i, v in enumerate(effect.top1_agree)]
+    metrics += [("effect.kl_mean", s["kl_mean"], 0), ("effect.kl_max", s["kl_max"], 0),
+                ("effect.top1_agreement", s["top1_agreement"], 0),
+                ("effect.first_divergent_step", s["first_divergent_step"], 0)]
+    recorder.log_metrics(metrics)
+    recorder.log_json(s, "intervention_effect.json")
+    verdict = "none: logits equal the clean model's" if effect.vacuous else (
+        "changed greedy choices" if s["first_divergent_step"] >= 0 else "changed probabilities only")
+    recorder.set_tags({"ember.intervention_effect": verdict})

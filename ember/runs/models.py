@@ -1,0 +1,37 @@
+"""Loaded models of this process, kept between the jobs it runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+# Loaded models of this process, by (resolved file, context length): the jobs of a sweep run by the
+# basic launcher (or by one joblib worker) load each model once.
+_MODELS: dict[tuple[str, int | None], Any] = {}
+
+
+def cached_model(model_file: Any, context_length: int | None, threads: int) -> tuple[Any, bool]:
+    """(model, cache hit). The engine's own thread count follows this job's."""
+    from ember.model import load_model
+
+    key = (str(Path(model_file.path).resolve()), context_length)
+    model = _MODELS.get(key)
+    if model is not None:
+        model.threads = threads
+        return model, True
+    from ember.progress import Progress
+
+    with Progress.status(f"loading {Path(model_file.path).name}"):
+        model = load_model(model_file, context_length=context_length, threads=threads)
+    _MODELS[key] = model
+    return model, False
+
+
+def cached(model_file: Any, context_length: int | None) -> Any:
+    """The model already loaded for this file and context length, or None."""
+    return _MODELS.get((str(Path(model_file.path).resolve()), context_length))
+
+
+def clear() -> None:
+    """Forget every loaded model (tests; memory)."""
+    _MODELS.clear()
