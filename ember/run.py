@@ -23,6 +23,7 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # records stay where 
 import signal
 import sys
 import time
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,10 @@ from omegaconf import DictConfig
 
 from ember import tracking
 from ember.runs.execute import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, execute, say
+
+# conf/hydra/launcher/ray.yaml keeps the plugin's name `ray` on purpose (hydra/launcher=ray) and extends
+# its schema; Hydra warns about the name it shares with the plugin's own config on every composition.
+warnings.filterwarnings("ignore", message=r"\s*'hydra/launcher/ray' is validated against ConfigStore schema")
 
 # ------------------------------------------------------------------------------------ entry point
 

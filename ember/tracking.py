@@ -54,9 +54,14 @@ class Store:
         return self.artifact_root is not None
 
 
-def resolve_store(settings: MlflowSettings, base_dir: str | os.PathLike[str] | None = None) -> Store:
-    """`mlflow.tracking_uri`, else `MLFLOW_TRACKING_URI`, else SQLite + artifacts under `outputs/`."""
-    uri = settings.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+def resolve_store(settings: MlflowSettings, base_dir: str | os.PathLike[str] | None = None, *,
+                  sweep_job: bool = False) -> Store:
+    """`mlflow.tracking_uri`, else `MLFLOW_TRACKING_URI`, else SQLite + artifacts under `outputs/`.
+
+    A job of a sweep records where its parent run is (`EMBER_SWEEP_TRACKING_URI`, handed over by the
+    process that started the sweep), wherever it runs."""
+    uri = os.environ.get(SWEEP_STORE_ENV) if sweep_job else None
+    uri = uri or settings.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
     if uri:
         return Store(uri)
     outputs = Path(base_dir or os.getcwd()).resolve() / "outputs"
@@ -300,8 +305,10 @@ class SweepCallback(Callback):
     """
 
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
-        os.environ[SWEEP_SIZE_ENV] = str(_sweep_size(config) or "")
-        start_sweep(config)
+        size = _sweep_size(config)
+        os.environ[SWEEP_SIZE_ENV] = str(size or "")
+        run_id = start_sweep(config, size)
+        hand_over_to_jobs(config, run_id, size)
 
     def on_job_start(self, config: Any, **kwargs: Any) -> None:
         # Progress of a sweep, one plain line per job: readable on a terminal, in CI logs, and from
@@ -323,11 +330,51 @@ class SweepCallback(Callback):
 SWEEP_SIZE_ENV = "EMBER_SWEEP_SIZE"
 
 
+SWEEP_STORE_ENV = "EMBER_SWEEP_TRACKING_URI"
+
+
+def hand_over_to_jobs(config: Any, parent_run_id: str | None, size: int | None) -> None:
+    """Give every job of the sweep what it needs from this process, wherever the launcher runs it.
+
+    A job's config is composed again from the sweep's Hydra overrides (in this process for Ray and
+    joblib, in the job's own process for submitit), and a job on another node shares neither this
+    process's environment nor its disk. So the parent run id, the store it lives in and the sweep size
+    travel as `hydra.job.env_set` overrides (Hydra sets them around the job), and a relative sweep
+    folder is made absolute (a Ray worker's working directory is its raylet's, not this one).
+    """
+    from omegaconf import OmegaConf, open_dict
+
+    overrides = OmegaConf.select(config, "hydra.overrides.hydra", default=None)
+    if overrides is None:
+        return
+    env = {SWEEP_SIZE_ENV: str(size or "")}
+    record = read_sweep_record(Path(str(config.hydra.sweep.dir)).resolve())
+    if parent_run_id and record is not None:
+        env.update({PARENT_RUN_ENV: parent_run_id, SWEEP_STORE_ENV: record["tracking_uri"]})
+    added = [f"++hydra.job.env_set.{key}={_override_value(value)}" for key, value in env.items()]
+    sweep_dir = str(OmegaConf.select(config, "hydra.sweep.dir"))
+    if not os.path.isabs(sweep_dir):
+        added.append(f"hydra.sweep.dir={_override_value(str(Path(sweep_dir).resolve()))}")
+    with open_dict(config.hydra.overrides):
+        config.hydra.overrides.hydra = [str(o) for o in overrides] + added
+
+
+def _override_value(value: str) -> str:
+    """`value` as a quoted Hydra override value (quotes and interpolations escaped)."""
+    escaped = value.replace("'", "\\'").replace("${", "\\${")
+    return f"'{escaped}'"
+
+
 def _sweep_size(config: Any) -> int | None:
-    """How many jobs the basic sweeper will make of the sweep overrides (product of their choices)."""
+    """How many jobs the sweep will make: the Optuna sweeper's trials, else the product of the sweep
+    overrides' choices (the basic sweeper)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from omegaconf import OmegaConf
 
+    sweeper = str(OmegaConf.select(config, "hydra.sweeper._target_", default="") or "")
+    if "optuna" in sweeper.lower():
+        trials = OmegaConf.select(config, "hydra.sweeper.n_trials", default=None)
+        return int(trials) if trials else None
     overrides = [str(o) for o in OmegaConf.select(config, "hydra.overrides.task", default=[]) or []]
     try:
         size = 1
@@ -344,6 +391,7 @@ class SweepSummary:
     run_id: str | None
     jobs: int
     failed_jobs: tuple[str, ...]
+    retried_jobs: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -368,8 +416,9 @@ def forget_active_sweep() -> None:
     _ACTIVE_SWEEP_DIR = _LAST_SWEEP = None
 
 
-def start_sweep(config: Any) -> str | None:
-    """Create the sweep folder and (when tracking is on) the parent run; returns its id."""
+def start_sweep(config: Any, size: int | None = None) -> str | None:
+    """Create the sweep folder and (when tracking is on) the parent run; returns its id. `size`: how
+    many jobs the sweep will have, when known."""
     global _ACTIVE_SWEEP_DIR, _LAST_SWEEP
     from omegaconf import OmegaConf
 
@@ -390,7 +439,8 @@ def start_sweep(config: Any) -> str | None:
             "ember.launcher": launcher.rsplit(".", 1)[-1]}
     run_id = tracker.start_run(_sweep_name(config), tags)
     tracker.log_params(run_id, {"hydra.overrides": " ".join(overrides), "hydra.launcher": launcher})
-    record = {"run_id": run_id, "tracking_uri": store.tracking_uri, "experiment_id": tracker.experiment_id}
+    record = {"run_id": run_id, "tracking_uri": store.tracking_uri, "experiment_id": tracker.experiment_id,
+              "size": size}
     sweep_record_path(sweep_dir).write_text(json.dumps(record))
     os.environ[PARENT_RUN_ENV] = run_id
     return run_id
@@ -398,35 +448,49 @@ def start_sweep(config: Any) -> str | None:
 
 def finish_sweep(sweep_dir: str, *, interrupted: bool = False, error: str | None = None) -> SweepSummary:
     """Close the sweep: every job that did not finish is named; the parent run ends KILLED on
-    interruption, FAILED if any job failed, died or left no run, else FINISHED."""
+    interruption, FAILED if any job failed, died or left no run, else FINISHED.
+
+    What each job became is read from the child runs in the parent's store (jobs on every node
+    record there) and, for jobs that ran on this machine, from the status files in their folders.
+    A job may have several child runs: a launcher that retries a job whose worker died (Ray) starts
+    it again as a new run. The last attempt decides; the earlier ones are named as retried.
+    """
     global _LAST_SWEEP
     folder = Path(sweep_dir).resolve()
-    jobs = _job_statuses(folder)
-    statuses = {num: status for num, (status, _) in jobs.items()}
+    local = _job_statuses(folder)
     problems = {num: f"{status.lower()}: {detail}" if detail else status.lower()
-                for num, (status, detail) in jobs.items() if status != FINISHED}
+                for num, (status, detail) in local.items() if status != FINISHED}
+    overrides = {num: _job_overrides(folder / num) for num in local}
+    retried: dict[str, str] = {}
+    jobs = set(local)
     record = read_sweep_record(folder) if folder.exists() else None
     if record is not None and not record.get("closed"):
         from mlflow.tracking import MlflowClient
 
         client = MlflowClient(tracking_uri=record["tracking_uri"])
-        children = client.search_runs(
-            [record["experiment_id"]], filter_string=f"tags.mlflow.parentRunId = '{record['run_id']}'",
-            max_results=10000,
-        )
-        for child in children:  # a job killed without closing its run: close it for it
-            if child.info.status == "RUNNING":
-                client.set_terminated(child.info.run_id, status=KILLED)
-                num = child.data.tags.get("ember.job")
-                if num is not None:
-                    problems.setdefault(num, "killed")
-        recorded = {r.data.tags.get("ember.job") for r in children}
-        for num in statuses:
-            if num not in recorded:
+        jobs.update(str(n) for n in range(int(record.get("size") or 0)))
+        attempts = _attempts_by_job(client, record)
+        for num, runs in attempts.items():
+            jobs.add(num)
+            overrides.setdefault(num, runs[-1][0].data.tags.get("ember.overrides", "?"))
+            last_run, last_status = runs[-1]
+            lost = [f"attempt {i} {status.lower()} ({_where(run)})"
+                    for i, (run, status) in enumerate(runs, start=1) if status != FINISHED]
+            if last_status == FINISHED:
+                problems.pop(num, None)  # a status file left by an earlier attempt on this machine
+                if lost:
+                    retried[num] = f"retried: {'; '.join(lost)}; attempt {len(runs)} finished"
+            elif num not in problems or len(runs) > 1:
+                why = _run_problem(last_run, last_status)
+                problems[num] = why if len(runs) == 1 else f"{why}; earlier: {'; '.join(lost[:-1])}"
+        for num in jobs:
+            if num not in attempts:
                 problems.setdefault(num, "no MLflow run")
-        failed_jobs = _describe_jobs(folder, problems)
-        tags = {"ember.sweep.jobs": str(len(statuses)), "ember.sweep.child_runs": str(len(children)),
-                "ember.sweep.failed_jobs": "; ".join(failed_jobs) or "none"}
+        failed_jobs = _describe_jobs(problems, overrides)
+        tags = {"ember.sweep.jobs": str(len(jobs)),
+                "ember.sweep.child_runs": str(sum(len(runs) for runs in attempts.values())),
+                "ember.sweep.failed_jobs": "; ".join(failed_jobs) or "none",
+                "ember.sweep.retried_jobs": "; ".join(_describe_jobs(retried, overrides)) or "none"}
         if error:
             tags["ember.sweep.error"] = error
         for key, value in tags.items():
@@ -435,15 +499,58 @@ def finish_sweep(sweep_dir: str, *, interrupted: bool = False, error: str | None
         client.set_terminated(record["run_id"], status=status)
         record["closed"] = status
         sweep_record_path(folder).write_text(json.dumps(record))
-    failed_jobs = _describe_jobs(folder, problems)
+    failed_jobs = _describe_jobs(problems, overrides)
     if error:
         failed_jobs += (f"the sweep itself: {error}",)
-    _LAST_SWEEP = SweepSummary(record["run_id"] if record else None, len(statuses), failed_jobs)
+    _LAST_SWEEP = SweepSummary(record["run_id"] if record else None, len(jobs), failed_jobs,
+                               _describe_jobs(retried, overrides))
     return _LAST_SWEEP
 
 
-def _describe_jobs(folder: Path, problems: Mapping[str, str]) -> tuple[str, ...]:
-    return tuple(f"job #{num} ({_job_overrides(folder / num)}): {problems[num]}"
+def _attempts_by_job(client: Any, record: Mapping[str, Any]) -> dict[str, list[tuple[Any, str]]]:
+    """Job number -> its child runs in start order, each with its status. A child still RUNNING now
+    that every job has returned has nobody left to close it (its process was killed or lost): it is
+    closed as KILLED here."""
+    children, token = [], None
+    while True:
+        page = client.search_runs([record["experiment_id"]],
+                                  filter_string=f"tags.mlflow.parentRunId = '{record['run_id']}'",
+                                  max_results=1000, page_token=token)
+        children.extend(page)
+        token = page.token
+        if not token:
+            break
+    attempts: dict[str, list[tuple[Any, str]]] = {}
+    for child in sorted(children, key=lambda r: r.info.start_time or 0):
+        status = child.info.status
+        if status == "RUNNING":
+            client.set_terminated(child.info.run_id, status=KILLED)
+            status = KILLED
+        num = child.data.tags.get("ember.job")
+        if num is not None:
+            attempts.setdefault(num, []).append((child, status))
+    return attempts
+
+
+def _where(run: Any) -> str:
+    tags = run.data.tags
+    place = f"run {run.info.run_id}"
+    if tags.get("ember.host"):
+        place += f" on {tags['ember.host']}, pid {tags.get('ember.pid', '?')}"
+    return place
+
+
+def _run_problem(run: Any, status: str) -> str:
+    """Why a job's run did not finish, in a few words."""
+    tags = run.data.tags
+    if status == KILLED and not tags.get("ember.error"):
+        return f"killed: its process ended without closing its run ({_where(run)})"
+    detail = tags.get("ember.failure") or tags.get("ember.error") or ""
+    return f"{status.lower()}: {detail}" if detail else f"{status.lower()} ({_where(run)})"
+
+
+def _describe_jobs(problems: Mapping[str, str], overrides: Mapping[str, str]) -> tuple[str, ...]:
+    return tuple(f"job #{num} ({overrides.get(num, '?')}): {problems[num]}"
                  for num in sorted(problems, key=int))
 
 

@@ -3,9 +3,12 @@ traceback for a user's mistake."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import traceback
+from collections.abc import Iterator
+from pathlib import Path
 
 from mlflow.exceptions import MlflowException
 from omegaconf import DictConfig, OmegaConf
@@ -33,14 +36,37 @@ def say(message: str) -> None:
 def execute(cfg: DictConfig) -> int:
     """Run one job end to end; return its exit status. Never raises for a user's mistake."""
     job = JobInfo.from_hydra()
+    with in_launch_dir(job):
+        return _execute(cfg, job)
+
+
+@contextlib.contextmanager
+def in_launch_dir(job: JobInfo) -> Iterator[None]:
+    """Run the job from the folder its sweep was started in, when this process is elsewhere (a Ray
+    worker starts in its raylet's folder) and that folder exists here (same machine, shared disk):
+    relative model paths, `experiments/` and the default store then mean what they meant there."""
+    here = os.getcwd()
+    target = job.launch_dir
+    if target is None or not target.is_dir() or Path(here) == target:
+        yield
+        return
+    os.chdir(target)
+    try:
+        yield
+    finally:
+        os.chdir(here)
+
+
+def _execute(cfg: DictConfig, job: JobInfo) -> int:
     if os.getcwd() not in sys.path:  # `_target_: experiments.my_module.MyExperiment` from here
         sys.path.insert(0, os.getcwd())
-    where = f"job #{job.number} ({' '.join(job.overrides)}): " if job.multirun else ""
+    where = job.where()
     try:
         prepared = prepare(cfg)
     except EmberError as error:
-        say(f"ember: {where}{error}")
-        _record_invalid_job(cfg, job, str(error))
+        detail = _on_this_node(error, job)
+        say(f"ember: {where}{detail}")
+        _record_invalid_job(cfg, job, detail)
         return EXIT_USAGE
     except Exception as error:  # a bug met while validating: say so, with the traceback
         detail = f"internal error while checking the config: {describe_error(error)}"
@@ -93,7 +119,7 @@ def _run_prepared(prepared: Prepared, job: JobInfo, recorder: Recorder, threads:
     run = prepared.run
     tags = {**environment_tags(), **model_tags(prepared),
             "ember.config_digest": config_digest(prepared.plain),
-            "ember.threads": str(threads), "ember.workers": str(job.workers),
+            "ember.threads": str(threads), "ember.workers": str(job.workers), **job.place.tags(),
             "ember.experiments": ",".join(e.name for e in prepared.experiments) or "none",
             "mlflow.source.git.commit": environment_tags()["ember.git_commit"]}
     recorder.start(prepared.run_name, tags, flatten(prepared.plain))
@@ -165,6 +191,16 @@ def _run_prepared(prepared: Prepared, job: JobInfo, recorder: Recorder, threads:
     if recorder.run_id is not None and recorder.tracker is not None:
         say(f"ember: recorded as MLflow run {recorder.run_id} in {recorder.tracker.store.tracking_uri}")
     return EXIT_OK, ""
+
+
+def _on_this_node(error: EmberError, job: JobInfo) -> str:
+    """A missing model file on a worker the scheduler chose: say which node looked, and where."""
+    from ember.errors import ModelSourceError
+
+    if isinstance(error, ModelSourceError) and job.place.remote and "no such model file" in str(error):
+        return (f"{error} (looked on node {job.place.host} in {os.getcwd()}; a local model path must exist "
+                f"on every node that runs jobs, or use a known model name, fetched by each node)")
+    return str(error)
 
 
 def _record_invalid_job(cfg: DictConfig, job: JobInfo, error: str) -> None:

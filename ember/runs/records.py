@@ -22,7 +22,8 @@ class Recorder:
     def start(self, name: str, tags: dict[str, Any], params: dict[str, Any]) -> None:
         if self.settings is None or not self.settings.enabled:
             return
-        self.tracker = tracking.Tracker(tracking.resolve_store(self.settings), self.settings.experiment_name)
+        store = tracking.resolve_store(self.settings, sweep_job=self.job.multirun)
+        self.tracker = tracking.Tracker(store, self.settings.experiment_name)
         parent = tracking.parent_run_id(self.job.sweep_dir) if self.job.multirun else None
         job_tags = dict(tags)
         if self.job.multirun:
