@@ -32,7 +32,7 @@ import hydra
 from omegaconf import DictConfig
 
 from ember import tracking
-from ember.runs.execute import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, execute, say
+from ember.runs.execute import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, run_job, say
 
 # conf/hydra/launcher/ray.yaml keeps the plugin's name `ray` on purpose (hydra/launcher=ray) and extends
 # its schema; Hydra warns about the name it shares with the plugin's own config on every composition.
@@ -48,10 +48,10 @@ CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
-def _hydra_task(cfg: DictConfig) -> int:
-    code = execute(cfg)
-    _EXIT_CODES.append(code)
-    return code
+def _hydra_task(cfg: DictConfig) -> Any:
+    outcome = run_job(cfg)
+    _EXIT_CODES.append(outcome.code)
+    return outcome.for_sweeper()  # the exit status, or a search's objective
 
 
 class _Terminated(KeyboardInterrupt):
@@ -110,6 +110,10 @@ def _report_sweep(sweep: tracking.SweepSummary, started: float) -> int:
             say(f"  {line}")
         return EXIT_FAILED
     say(f"ember: sweep of {jobs} job(s) finished in {time.perf_counter() - started:.1f} s")
+    for line in sweep.retried_jobs:
+        say(f"ember: {line}")
+    if sweep.best:
+        say(f"ember: best trial: {sweep.best}")
     return EXIT_OK
 
 

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 from hydra.experimental.callback import Callback
 
+from ember.errors import EmberError
 from ember.runconfig import MlflowSettings
 
 log = logging.getLogger(__name__)
@@ -94,6 +95,36 @@ def _chunks(items: Sequence[Any], size: int) -> Iterable[Sequence[Any]]:
         yield items[start : start + size]
 
 
+class TrackingAccessError(EmberError):
+    """The tracking server refused this process (no or wrong credentials, or no permission)."""
+
+
+def _http_status(error: Exception) -> int | None:
+    try:
+        return int(error.get_http_status_code())  # type: ignore[attr-defined]
+    except Exception:
+        return None
+
+
+def describe_mlflow_error(error: Exception, uri: str) -> str:
+    """One line for an MLflow error: what the server said, and for a refusal what to do (the
+    credentials themselves are never shown)."""
+    status = _http_status(error)
+    if status == 401:
+        given = "MLFLOW_TRACKING_USERNAME" in os.environ and "MLFLOW_TRACKING_PASSWORD" in os.environ
+        if given:
+            return (f"the MLflow server at {uri} refused the credentials in MLFLOW_TRACKING_USERNAME / "
+                    f"MLFLOW_TRACKING_PASSWORD (HTTP 401): wrong user name or password")
+        return (f"the MLflow server at {uri} asks for credentials (HTTP 401): set MLFLOW_TRACKING_USERNAME "
+                f"and MLFLOW_TRACKING_PASSWORD in the environment of every process that records")
+    if status == 403:
+        return (f"the MLflow server at {uri} does not let this user write here (HTTP 403): ask its admin "
+                f"for EDIT permission on the experiment")
+    message = getattr(error, "message", None) or str(error)
+    lines = [line.strip() for line in str(message).splitlines() if line.strip()]
+    return f"MLflow ({uri}): {lines[0] if lines else type(error).__name__}"
+
+
 class Tracker:
     """One MLflow experiment in one store, with explicit run ids."""
 
@@ -101,9 +132,16 @@ class Tracker:
         from mlflow.tracking import MlflowClient
 
         quiet_mlflow_logging()
+        from mlflow.exceptions import MlflowException
+
         self.store = store
         self.client = MlflowClient(tracking_uri=store.tracking_uri)
-        self.experiment_id = self._experiment(experiment_name)
+        try:
+            self.experiment_id = self._experiment(experiment_name)
+        except MlflowException as error:
+            if _http_status(error) in (401, 403):
+                raise TrackingAccessError(describe_mlflow_error(error, store.tracking_uri)) from None
+            raise
 
     def _experiment(self, name: str) -> str:
         from mlflow.exceptions import MlflowException
@@ -307,7 +345,11 @@ class SweepCallback(Callback):
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
         size = _sweep_size(config)
         os.environ[SWEEP_SIZE_ENV] = str(size or "")
-        run_id = start_sweep(config, size)
+        try:
+            run_id = start_sweep(config, size)
+        except TrackingAccessError as error:  # one line, no job started, status 2
+            print(f"ember: {error}", file=sys.stderr, flush=True)
+            raise SystemExit(2) from None
         hand_over_to_jobs(config, run_id, size)
 
     def on_job_start(self, config: Any, **kwargs: Any) -> None:
@@ -392,6 +434,7 @@ class SweepSummary:
     jobs: int
     failed_jobs: tuple[str, ...]
     retried_jobs: tuple[str, ...] = ()
+    best: str | None = None  # a search's best trial
 
     @property
     def ok(self) -> bool:
@@ -426,13 +469,15 @@ def start_sweep(config: Any, size: int | None = None) -> str | None:
 
     sweep_dir = Path(str(config.hydra.sweep.dir)).resolve()
     sweep_dir.mkdir(parents=True, exist_ok=True)
-    _ACTIVE_SWEEP_DIR, _LAST_SWEEP = str(sweep_dir), None
     os.environ.pop(PARENT_RUN_ENV, None)
+    _LAST_SWEEP = None
     settings = settings_from_config(config)
     if settings is None or not settings.enabled:
+        _ACTIVE_SWEEP_DIR = str(sweep_dir)
         return None
     store = resolve_store(settings)
-    tracker = Tracker(store, settings.experiment_name)
+    tracker = Tracker(store, settings.experiment_name)  # a refusal stops the sweep before any job
+    _ACTIVE_SWEEP_DIR = str(sweep_dir)
     overrides = [str(o) for o in OmegaConf.select(config, "hydra.overrides.task", default=[]) or []]
     launcher = str(OmegaConf.select(config, "hydra.launcher._target_", default="") or "")
     tags = {**environment_tags(), "ember.sweep": "true", "ember.sweep_dir": str(sweep_dir),
@@ -441,6 +486,9 @@ def start_sweep(config: Any, size: int | None = None) -> str | None:
     tracker.log_params(run_id, {"hydra.overrides": " ".join(overrides), "hydra.launcher": launcher})
     record = {"run_id": run_id, "tracking_uri": store.tracking_uri, "experiment_id": tracker.experiment_id,
               "size": size}
+    sweeper = str(OmegaConf.select(config, "hydra.sweeper._target_", default="") or "")
+    if "optuna" in sweeper.lower():  # a search: the best trial is tagged on the parent at the end
+        record["search"] = str(OmegaConf.select(config, "hydra.sweeper.direction", default="minimize"))
     sweep_record_path(sweep_dir).write_text(json.dumps(record))
     os.environ[PARENT_RUN_ENV] = run_id
     return run_id
@@ -458,6 +506,7 @@ def finish_sweep(sweep_dir: str, *, interrupted: bool = False, error: str | None
     global _LAST_SWEEP
     folder = Path(sweep_dir).resolve()
     local = _job_statuses(folder)
+    best = None
     problems = {num: f"{status.lower()}: {detail}" if detail else status.lower()
                 for num, (status, detail) in local.items() if status != FINISHED}
     overrides = {num: _job_overrides(folder / num) for num in local}
@@ -486,6 +535,8 @@ def finish_sweep(sweep_dir: str, *, interrupted: bool = False, error: str | None
         for num in jobs:
             if num not in attempts:
                 problems.setdefault(num, "no MLflow run")
+        if record.get("search"):
+            best = _tag_best_trial(client, record, attempts, overrides)
         failed_jobs = _describe_jobs(problems, overrides)
         tags = {"ember.sweep.jobs": str(len(jobs)),
                 "ember.sweep.child_runs": str(sum(len(runs) for runs in attempts.values())),
@@ -503,8 +554,30 @@ def finish_sweep(sweep_dir: str, *, interrupted: bool = False, error: str | None
     if error:
         failed_jobs += (f"the sweep itself: {error}",)
     _LAST_SWEEP = SweepSummary(record["run_id"] if record else None, len(jobs), failed_jobs,
-                               _describe_jobs(retried, overrides))
+                               _describe_jobs(retried, overrides), best)
     return _LAST_SWEEP
+
+
+def _tag_best_trial(client: Any, record: Mapping[str, Any], attempts: Mapping[str, list[tuple[Any, str]]],
+                    overrides: Mapping[str, str]) -> str | None:
+    """Tag the parent of a search with its best finished trial (by the `objective` metric each job
+    logged, in the sweeper's direction) and that trial's run with `ember.search.best`."""
+    finished = [(num, runs[-1][0]) for num, runs in attempts.items()
+                if runs[-1][1] == FINISHED and "objective" in runs[-1][0].data.metrics]
+    if not finished:
+        client.set_tag(record["run_id"], "ember.search.best_run_id", "none")
+        return None
+    maximize = str(record["search"]).lower().endswith("maximize")
+    pick = max if maximize else min
+    num, run = pick(finished, key=lambda item: item[1].data.metrics["objective"])
+    value = run.data.metrics["objective"]
+    tags = {"ember.search.best_run_id": run.info.run_id, "ember.search.best_job": num,
+            "ember.search.best_objective": repr(value), "ember.search.direction": str(record["search"]),
+            "ember.search.best_overrides": overrides.get(num, "?"), "ember.search.trials": str(len(attempts))}
+    for key, text in tags.items():
+        client.set_tag(record["run_id"], key, _text(text, MAX_TAG_LENGTH))
+    client.set_tag(run.info.run_id, "ember.search.best", "true")
+    return f"job #{num} ({overrides.get(num, '?')}): objective {value:g}, run {run.info.run_id}"
 
 
 def _attempts_by_job(client: Any, record: Mapping[str, Any]) -> dict[str, list[tuple[Any, str]]]:

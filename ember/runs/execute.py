@@ -8,7 +8,9 @@ import os
 import sys
 import traceback
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from mlflow.exceptions import MlflowException
 from omegaconf import DictConfig, OmegaConf
@@ -21,6 +23,7 @@ from ember.runconfig import describe_error
 from ember.runs import models
 from ember.runs.effect import LogitsRecorder, measure_effect, record_effect
 from ember.runs.job import JobInfo, threads_for
+from ember.runs.objective import Objective, TrialFailed, parse_objective, sweeper_direction
 from ember.runs.prepare import Prepared, prepare
 from ember.runs.records import Recorder, generation_metrics, generation_record, model_tags
 from ember.tracking import FAILED, FINISHED, KILLED
@@ -33,8 +36,31 @@ def say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+@dataclass(frozen=True, slots=True)
+class JobOutcome:
+    """How a job ended: its exit status and, for a job of a search, its objective."""
+
+    code: int
+    objective: float | None = None
+    searching: bool = False
+
+    def for_sweeper(self) -> Any:
+        """What the job returns to its Hydra sweeper: the objective in a search (a failed job raises,
+        so the search records a failed trial), else the exit status."""
+        if not self.searching:
+            return self.code
+        if self.code != EXIT_OK or self.objective is None:
+            raise TrialFailed(f"the job ended with exit status {self.code}")
+        return self.objective
+
+
 def execute(cfg: DictConfig) -> int:
     """Run one job end to end; return its exit status. Never raises for a user's mistake."""
+    return run_job(cfg).code
+
+
+def run_job(cfg: DictConfig) -> JobOutcome:
+    """Run one job end to end; its exit status and objective. Never raises for a user's mistake."""
     job = JobInfo.from_hydra()
     with in_launch_dir(job):
         return _execute(cfg, job)
@@ -57,31 +83,36 @@ def in_launch_dir(job: JobInfo) -> Iterator[None]:
         os.chdir(here)
 
 
-def _execute(cfg: DictConfig, job: JobInfo) -> int:
+def _execute(cfg: DictConfig, job: JobInfo) -> JobOutcome:
     if os.getcwd() not in sys.path:  # `_target_: experiments.my_module.MyExperiment` from here
         sys.path.insert(0, os.getcwd())
     where = job.where()
+    searching = OmegaConf.select(cfg, "objective", default=None) is not None
     try:
+        objective = parse_objective(cfg, sweeper_direction())
         prepared = prepare(cfg)
     except EmberError as error:
         detail = _on_this_node(error, job)
         say(f"ember: {where}{detail}")
         _record_invalid_job(cfg, job, detail)
-        return EXIT_USAGE
+        return JobOutcome(EXIT_USAGE, searching=searching)
     except Exception as error:  # a bug met while validating: say so, with the traceback
         detail = f"internal error while checking the config: {describe_error(error)}"
         say(f"ember: {where}{detail}\n{traceback.format_exc()}")
         _record_invalid_job(cfg, job, detail)
-        return EXIT_FAILED
+        return JobOutcome(EXIT_FAILED, searching=searching)
 
     threads = threads_for(job, prepared.run.threads)
     from threadpoolctl import threadpool_limits
 
     recorder = Recorder(prepared.run.mlflow, job)
     status, code, detail = FAILED, EXIT_FAILED, ""
+    value = None
     try:
         with threadpool_limits(threads):
             code, detail = _run_prepared(prepared, job, recorder, threads, where)
+            if code == EXIT_OK and objective is not None:
+                code, detail, value = _record_objective(objective, recorder, where)
             status = FINISHED if code == EXIT_OK else FAILED
     except KeyboardInterrupt:
         status, code, detail = KILLED, EXIT_INTERRUPTED, "interrupted"
@@ -93,7 +124,8 @@ def _execute(cfg: DictConfig, job: JobInfo) -> int:
         recorder.set_tags({"ember.error": detail})
         code = EXIT_USAGE
     except MlflowException as error:
-        detail = f"MLflow ({recorder.settings.tracking_uri or 'default store'}): {error.message}"
+        uri = recorder.tracker.store.tracking_uri if recorder.tracker else recorder.settings.tracking_uri
+        detail = tracking.describe_mlflow_error(error, uri or "the default store")
         say(f"ember: {where}{detail}")
     except Exception as error:  # a bug, not a user mistake: keep the traceback in the record
         text = traceback.format_exc()
@@ -110,7 +142,20 @@ def _execute(cfg: DictConfig, job: JobInfo) -> int:
         finally:
             if job.multirun and job.output_dir is not None:
                 tracking.write_job_status(job.output_dir, status, detail)
-    return code
+    return JobOutcome(code, value, searching=objective is not None)
+
+
+def _record_objective(objective: Objective, recorder: Recorder, where: str) -> tuple[int, str, float | None]:
+    """The job's objective from what it recorded, logged as the `objective` metric."""
+    try:
+        value, met = objective.evaluate(recorder.metrics)
+    except TrialFailed as error:
+        say(f"ember: {where}{error}")
+        recorder.set_tags({"ember.error": str(error)})
+        return EXIT_FAILED, str(error), None
+    recorder.log_metrics([("objective", value, 0)])
+    recorder.set_tags({"ember.objective.met": str(met).lower()})
+    return EXIT_OK, "", value
 
 
 def _run_prepared(prepared: Prepared, job: JobInfo, recorder: Recorder, threads: int,
