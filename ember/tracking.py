@@ -38,9 +38,11 @@ PARENT_RUN_ENV = "EMBER_MLFLOW_PARENT_RUN_ID"
 SWEEP_RECORD = "mlflow_sweep.json"
 MAX_PARAM_LENGTH = 6000
 MAX_TAG_LENGTH = 8000
+MAX_RUN_NAME_LENGTH = 250
 
-# MLflow run statuses.
+# MLflow run statuses, and what a job folder without a status file says.
 FINISHED, FAILED, KILLED = "FINISHED", "FAILED", "KILLED"
+DIED = "DIED"
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,7 +169,9 @@ class Tracker:
         all_tags = {k: _text(v, MAX_TAG_LENGTH) for k, v in tags.items()}
         if parent_run_id:
             all_tags["mlflow.parentRunId"] = parent_run_id
-        run = self.client.create_run(self.experiment_id, run_name=name, tags=all_tags)
+        # Run names are at most 250 characters in MLflow's SQL stores (PostgreSQL enforces it).
+        run = self.client.create_run(self.experiment_id, run_name=_text(name, MAX_RUN_NAME_LENGTH),
+                                     tags=all_tags)
         return run.info.run_id
 
     def end_run(self, run_id: str, status: str) -> None:
@@ -345,12 +349,23 @@ class SweepCallback(Callback):
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
         size = _sweep_size(config)
         os.environ[SWEEP_SIZE_ENV] = str(size or "")
+        # Hydra turns a callback's exception into a warning and goes on; a sweep without its parent
+        # run or its hand-over would record unlinked runs, so it stops here, before any job.
         try:
             run_id = start_sweep(config, size)
+            hand_over_to_jobs(config, run_id, size)
         except TrackingAccessError as error:  # one line, no job started, status 2
             print(f"ember: {error}", file=sys.stderr, flush=True)
             raise SystemExit(2) from None
-        hand_over_to_jobs(config, run_id, size)
+        except Exception as error:
+            from mlflow.exceptions import MlflowException
+
+            settings = settings_from_config(config)
+            uri = resolve_store(settings).tracking_uri if settings else "the configured store"
+            text = describe_mlflow_error(error, uri) if isinstance(error, MlflowException) else (
+                f"{type(error).__name__}: {error}")
+            print(f"ember: could not start the sweep: {text}", file=sys.stderr, flush=True)
+            raise SystemExit(1) from None
 
     def on_job_start(self, config: Any, **kwargs: Any) -> None:
         # Progress of a sweep, one plain line per job: readable on a terminal, in CI logs, and from
@@ -477,7 +492,6 @@ def start_sweep(config: Any, size: int | None = None) -> str | None:
         return None
     store = resolve_store(settings)
     tracker = Tracker(store, settings.experiment_name)  # a refusal stops the sweep before any job
-    _ACTIVE_SWEEP_DIR = str(sweep_dir)
     overrides = [str(o) for o in OmegaConf.select(config, "hydra.overrides.task", default=[]) or []]
     launcher = str(OmegaConf.select(config, "hydra.launcher._target_", default="") or "")
     tags = {**environment_tags(), "ember.sweep": "true", "ember.sweep_dir": str(sweep_dir),
@@ -491,6 +505,7 @@ def start_sweep(config: Any, size: int | None = None) -> str | None:
         record["search"] = str(OmegaConf.select(config, "hydra.sweeper.direction", default="minimize"))
     sweep_record_path(sweep_dir).write_text(json.dumps(record))
     os.environ[PARENT_RUN_ENV] = run_id
+    _ACTIVE_SWEEP_DIR = str(sweep_dir)
     return run_id
 
 
@@ -529,7 +544,7 @@ def finish_sweep(sweep_dir: str, *, interrupted: bool = False, error: str | None
                 problems.pop(num, None)  # a status file left by an earlier attempt on this machine
                 if lost:
                     retried[num] = f"retried: {'; '.join(lost)}; attempt {len(runs)} finished"
-            elif num not in problems or len(runs) > 1:
+            elif num not in problems or len(runs) > 1 or local[num][0] == DIED:  # the run says more
                 why = _run_problem(last_run, last_status)
                 problems[num] = why if len(runs) == 1 else f"{why}; earlier: {'; '.join(lost[:-1])}"
         for num in jobs:
@@ -617,7 +632,7 @@ def _run_problem(run: Any, status: str) -> str:
     """Why a job's run did not finish, in a few words."""
     tags = run.data.tags
     if status == KILLED and not tags.get("ember.error"):
-        return f"killed: its process ended without closing its run ({_where(run)})"
+        return f"killed: its process died without closing its run ({_where(run)})"
     detail = tags.get("ember.failure") or tags.get("ember.error") or ""
     return f"{status.lower()}: {detail}" if detail else f"{status.lower()} ({_where(run)})"
 
@@ -658,5 +673,5 @@ def _job_statuses(sweep_dir: Path) -> dict[str, tuple[str, str]]:
             record = json.loads((job_dir / JOB_STATUS_FILE).read_text())
             statuses[job_dir.name] = (str(record["status"]), str(record.get("detail", "")))
         except (OSError, ValueError, KeyError):
-            statuses[job_dir.name] = ("DIED", "the job ended without reporting (crashed or killed)")
+            statuses[job_dir.name] = (DIED, "the job ended without reporting (crashed or killed)")
     return statuses
