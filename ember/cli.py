@@ -127,6 +127,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("run", help="the Hydra front door: ember run [group=option key=value ...] (see ember.run)",
                    add_help=False)
+
+    runs = sub.add_parser("runs", help="look after recorded runs (ember runs repair)")
+    actions = runs.add_subparsers(dest="runs_command", metavar="ACTION", required=True)
+    repair = actions.add_parser("repair", help="close as KILLED the RUNNING runs whose process died")
+    repair.add_argument("--mlflow-uri", default=None, help="MLflow tracking URI (default: as `ember run`)")
     return parser
 
 
@@ -397,9 +402,26 @@ def cmd_benchmark(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_runs(args: argparse.Namespace) -> int:
+    """`ember runs repair`: every RUNNING run of the store whose process is gone is closed as KILLED."""
+    from ember import tracking
+    from ember.runconfig import MlflowSettings
+
+    store = tracking.resolve_store(MlflowSettings(args.mlflow_uri, "ember", True))
+    if store.tracking_uri.startswith("sqlite:///") and not Path(store.tracking_uri[10:]).exists():
+        say(f"no MLflow store at {store.tracking_uri[10:]}: nothing to repair")
+        return EXIT_OK
+    from mlflow.tracking import MlflowClient
+
+    repaired = tracking.repair_store(MlflowClient(store.tracking_uri), store.tracking_uri)
+    say(f"{len(repaired)} run(s) of dead processes closed as KILLED in {store.tracking_uri}"
+        if repaired else f"no run of a dead process in {store.tracking_uri}")
+    return EXIT_OK
+
+
 COMMANDS = {"generate": cmd_generate, "extract": cmd_extract, "probe": cmd_probe,
             "interactive": cmd_interactive, "chat": cmd_interactive, "demo": cmd_demo,
-            "benchmark": cmd_benchmark}
+            "benchmark": cmd_benchmark, "runs": cmd_runs}
 
 
 # ------------------------------------------------------------------------------------ entry point
@@ -409,6 +431,8 @@ def check_combination(args: argparse.Namespace) -> None:
     """The v0.1 refusals, checked from the arguments alone (nothing is loaded yet)."""
     from ember.inspection.refusal import refuse_with_experiments
 
+    if args.command == "runs":
+        return
     experiments = [spec.partition(":")[0] for spec in args.experiment]
     if args.command == "generate":
         if args.dump_layers:
