@@ -232,6 +232,8 @@ def log_experiment_result(tracker: Tracker, run_id: str, name: str, result: Any)
                if isinstance(m.value, int | float) and math.isfinite(float(m.value))]
     tracker.log_metrics(run_id, metrics)
     folder = f"experiments/{metric_key(name).replace(' ', '_').replace('/', '_')}"
+    tracker.log_json(run_id, [{"name": m.name, "value": m.value, "step": m.step} for m in result.metrics],
+                     f"{folder}/metrics.json")  # also what a checkpoint of a killed run holds
     for table, rows in result.tables.items():
         rows = list(rows)
         tracker.log_json(run_id, rows, f"{folder}/{table}.json")
