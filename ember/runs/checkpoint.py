@@ -8,8 +8,9 @@ no stale checkpoint; a run killed with SIGKILL (or by the OOM killer) keeps the 
 interrupted one (Ctrl-C, SIGTERM) gets one more checkpoint at the moment it stops, with exactly the text
 already shown on the console.
 
-The cost is one `results()` call per experiment and a few small artifact writes per interval (measured:
-under 20 ms a checkpoint on the SQLite store with `activation_stats`, i.e. < 0.5% at 5 s).
+The cost is one `results()` call per experiment and a few small artifact writes per interval (measured
+on the SQLite store with `activation_stats` after 64 tokens, 2-core machine at load 13: 85 ms median a
+checkpoint, of which `results()` 9 ms; under 2% of a job at one checkpoint per 5 s).
 """
 
 from __future__ import annotations
