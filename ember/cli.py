@@ -138,10 +138,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("run", help="the Hydra front door: ember run [group=option key=value ...] (see ember.run)",
                    add_help=False)
 
-    runs = sub.add_parser("runs", help="look after recorded runs (ember runs repair)")
+    runs = sub.add_parser("runs", help="look after recorded runs (ember runs repair, ember runs upload)")
     actions = runs.add_subparsers(dest="runs_command", metavar="ACTION", required=True)
-    repair = actions.add_parser("repair", help="close as KILLED the RUNNING runs whose process died")
-    repair.add_argument("--mlflow-uri", default=None, help="MLflow tracking URI (default: as `ember run`)")
+    upload = actions.add_parser("upload", help="upload the records kept in outputs/mlflow-outbox while the "
+                                               "tracking server was away")
+    repair = actions.add_parser("repair", help="upload kept records (as upload), then close as KILLED the "
+                                               "RUNNING runs whose process died")
+    for action in (upload, repair):
+        action.add_argument("--mlflow-uri", default=None, help="tracking URI (default: as `ember run`)")
     return parser
 
 
@@ -181,7 +185,8 @@ def experiment_specs(texts: Sequence[str]) -> list[Any]:
 def mlflow_settings(args: argparse.Namespace) -> Any:
     from ember.runconfig import MlflowSettings
 
-    return MlflowSettings(args.mlflow_uri, args.mlflow_experiment, not args.no_mlflow)
+    return MlflowSettings(args.mlflow_uri, getattr(args, "mlflow_experiment", "ember"),
+                          not getattr(args, "no_mlflow", False))
 
 
 def load(args: argparse.Namespace, tracer: Any = None) -> Any:
@@ -413,20 +418,29 @@ def cmd_benchmark(args: argparse.Namespace) -> int:
 
 
 def cmd_runs(args: argparse.Namespace) -> int:
-    """`ember runs repair`: every RUNNING run of the store whose process is gone is closed as KILLED."""
+    """`ember runs upload`: the records kept in outputs/mlflow-outbox while the store was away go to it;
+    `ember runs repair`: that, then every RUNNING run whose process is gone is closed as KILLED."""
     from ember import tracking
-    from ember.runconfig import MlflowSettings
 
-    store = tracking.resolve_store(MlflowSettings(args.mlflow_uri, "ember", True))
+    store = tracking.resolve_store(mlflow_settings(args))
     if store.tracking_uri.startswith("sqlite:///") and not Path(store.tracking_uri[10:]).exists():
-        say(f"no MLflow store at {store.tracking_uri[10:]}: nothing to repair")
+        say(f"no MLflow store at {store.tracking_uri[10:]}: nothing to {args.runs_command}")
         return EXIT_OK
     from mlflow.tracking import MlflowClient
 
-    repaired = tracking.repair_store(MlflowClient(store.tracking_uri), store.tracking_uri)
+    client = MlflowClient(store.tracking_uri)
+    uploaded = tracking.upload_outboxes(client, store.tracking_uri)
+    left = tracking.outbox.pending(tracking.outbox.default_root(), store.tracking_uri)
+    if left:
+        say(f"{len(left)} outbox(es) for {store.tracking_uri} could not be uploaded yet: {left[0].parent}")
+    elif not uploaded and args.runs_command == "upload":
+        say(f"no records waiting for {store.tracking_uri}")
+    if args.runs_command == "upload":
+        return EXIT_OK if not left else EXIT_FAILED
+    repaired = tracking.repair_store(client, store.tracking_uri)
     say(f"{len(repaired)} run(s) of dead processes closed as KILLED in {store.tracking_uri}"
         if repaired else f"no run of a dead process in {store.tracking_uri}")
-    return EXIT_OK
+    return EXIT_OK if not left else EXIT_FAILED
 
 
 COMMANDS = {"generate": cmd_generate, "extract": cmd_extract, "probe": cmd_probe,
@@ -503,6 +517,7 @@ def check_model(args: argparse.Namespace) -> None:
 
 
 MODEL_COMMANDS = ("generate", "extract", "probe", "interactive", "chat", "demo", "benchmark")
+RECORDING_COMMANDS = ("generate", "extract", "probe", "benchmark", "runs")
 
 
 # ------------------------------------------------------------------------------------ entry point
@@ -545,6 +560,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_options(args)
         if args.command in MODEL_COMMANDS:
             check_model(args)
+        if args.command in RECORDING_COMMANDS and not getattr(args, "no_mlflow", False):
+            from ember.tracking import check_reachable, resolve_store
+
+            check_reachable(resolve_store(mlflow_settings(args)).tracking_uri)
         from ember import tracking
 
         tracking.quiet_mlflow_logging()

@@ -77,7 +77,8 @@ def _main() -> int:
     _EXIT_CODES.clear()
     tracking.quiet_mlflow_logging()
     try:
-        preflight(sys.argv[1:], CONF_DIR, "config")
+        for uri in preflight(sys.argv[1:], CONF_DIR, "config"):
+            tracking.check_reachable(uri or os.environ.get("MLFLOW_TRACKING_URI") or "")
     except EmberError as error:
         say(f"ember: {error}")
         return EXIT_USAGE
@@ -93,6 +94,10 @@ def _main() -> int:
         if user_wants_hydra_reports:
             raise
         say(f"ember: {describe_hydra_error(error, sys.argv[1:])}")
+        _close_open_sweep(interrupted=False)
+        return EXIT_USAGE
+    except EmberError as error:  # e.g. the sweep's store, met when its parent run is made
+        say(f"ember: {error}")
         _close_open_sweep(interrupted=False)
         return EXIT_USAGE
     except KeyboardInterrupt:
