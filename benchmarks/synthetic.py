@@ -3,6 +3,7 @@
     python -m benchmarks.synthetic --shape llama-3.2-1b              # into <ember cache>/synthetic/
     python -m benchmarks.synthetic --shape all --out /some/dir
     python -m benchmarks.synthetic --list
+    python -m benchmarks.synthetic --check               # llama.cpp loads each file and generates
 
 The files measure speed and memory at sizes no PyPI wheel ships: every tensor has the real name, shape
 and type a `llama-quantize ... Q4_K_M` file of that model has, and the vocabulary is a real one, but the
@@ -640,6 +641,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--verify", action="store_true", help="re-hash existing files before trusting them")
     parser.add_argument("--list", action="store_true",
                         help="print the shapes and their tensor types, write nothing")
+    parser.add_argument("--check", action="store_true",
+                        help="after writing, load each file in llama.cpp and generate a few tokens")
     args = parser.parse_args(argv)
     names = list(SHAPES) if args.shape == "all" else [n.strip() for n in args.shape.split(",") if n.strip()]
     unknown = [n for n in names if n not in SHAPES]
@@ -657,6 +660,33 @@ def main(argv: list[str] | None = None) -> None:
         record = read_sidecar(path) or {}
         print(f"{name}: {path} ({record.get('size', 0) / 1e9:.2f} GB, "
               f"sha256 {record.get('sha256', '?')[:16]}, written in {record.get('seconds', '?')} s)")
+        if args.check:
+            print("  " + check_with_llama_cpp(path), flush=True)
+
+
+def check_with_llama_cpp(path: Path, text: str = "The old lighthouse keeper climbed the stairs",
+                         new_tokens: int = 8) -> str:
+    """Load the file in llama.cpp, evaluate a prompt, generate greedily: proof that the file is real."""
+    import llama_cpp
+
+    started = time.perf_counter()
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=128, n_threads=os.cpu_count() or 1,
+                          logits_all=True, verbose=False)
+    try:
+        load = time.perf_counter() - started
+        ids = llm.tokenize(text.encode(), add_bos=True)
+        llm.eval(ids)
+        logits = np.array(llm.scores[: len(ids)], dtype=np.float32)
+        generated = []
+        for _ in range(new_tokens):
+            token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            generated.append(token)
+            llm.eval([token])
+        return (f"llama.cpp {llama_cpp.__version__}: loaded in {load:.1f} s, {llm.n_vocab()} tokens, prompt "
+                f"{len(ids)} ids, logits finite: {bool(np.isfinite(logits).all())} (std {logits.std():.2f}), "
+                f"generated {generated} = {llm.detokenize(generated).decode(errors='replace')!r}")
+    finally:
+        llm.close()
 
 
 if __name__ == "__main__":

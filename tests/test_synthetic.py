@@ -181,7 +181,8 @@ def test_llama_cpp_and_ember_load_the_file_and_agree(tmp_path, family) -> None:
     assert ours.shape == theirs.shape == (4, shape.vocab_size)
     assert np.isfinite(ours).all() and np.isfinite(theirs).all()
     # llama.cpp quantizes activations (Q8_K) and keeps an F16 KV cache, so the logits agree closely
-    # but not exactly; random weights make the logits nearly flat, so argmax is not compared.
+    # but not exactly (measured: cosine 0.9994-0.9995 for all three); random weights make the logits
+    # nearly flat, so argmax is not compared.
     cosine = np.sum(ours * theirs, axis=1) / np.linalg.norm(ours, axis=1) / np.linalg.norm(theirs, axis=1)
     print(f"\n{family}: cosine {cosine.min():.5f}, logit std {theirs.std():.3f}")
-    assert cosine.min() > 0.99
+    assert cosine.min() > 0.998
