@@ -32,7 +32,9 @@ import hydra
 from omegaconf import DictConfig
 
 from ember import tracking
+from ember.errors import EmberError
 from ember.runs.execute import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, run_job, say
+from ember.runs.overrides import describe_hydra_error, preflight
 
 # conf/hydra/launcher/ray.yaml keeps the plugin's name `ray` on purpose (hydra/launcher=ray) and extends
 # its schema; Hydra warns about the name it shares with the plugin's own config on every composition.
@@ -74,12 +76,35 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main() -> int:
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
     _EXIT_CODES.clear()
     tracking.quiet_mlflow_logging()
+    try:
+        for uri in preflight(sys.argv[1:], CONF_DIR, "config"):
+            tracking.check_reachable(uri or os.environ.get("MLFLOW_TRACKING_URI") or "")
+    except EmberError as error:
+        say(f"ember: {error}")
+        return EXIT_USAGE
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     started = time.perf_counter()
+    # Hydra's own errors are raised to this function (not printed by Hydra) unless the user asked for
+    # Hydra's full reports with HYDRA_FULL_ERROR.
+    user_wants_hydra_reports = "HYDRA_FULL_ERROR" in os.environ
+    os.environ.setdefault("HYDRA_FULL_ERROR", "1")
     try:
         _hydra_task()
+    except (HydraException, OmegaConfBaseException) as error:
+        if user_wants_hydra_reports:
+            raise
+        say(f"ember: {describe_hydra_error(error, sys.argv[1:])}")
+        _close_open_sweep(interrupted=False)
+        return EXIT_USAGE
+    except EmberError as error:  # e.g. the sweep's store, met when its parent run is made
+        say(f"ember: {error}")
+        _close_open_sweep(interrupted=False)
+        return EXIT_USAGE
     except KeyboardInterrupt:
         sweep = _close_open_sweep(interrupted=True)
         if sweep is not None:
@@ -96,6 +121,8 @@ def _main() -> int:
         return code
     finally:
         signal.signal(signal.SIGTERM, previous)
+        if not user_wants_hydra_reports:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
     sweep = _close_open_sweep(interrupted=False)
     if sweep is not None:
         return _report_sweep(sweep, started)

@@ -196,9 +196,9 @@ def test_a_wrong_password_is_one_clear_line(tmp_path, server, ray_head):
     for done in (single, sweep):
         assert done.returncode == 2, done.stderr[-3000:]
         lines = [line for line in done.stderr.splitlines() if line.startswith("ember:")]
-        assert lines == [f"ember: the MLflow server at {server.url} refused the credentials in "
-                         "MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD (HTTP 401): wrong user name "
-                         "or password"], done.stderr[-3000:]
+        assert lines == [f"ember: the MLflow tracking server at {server.url} refused ember's credentials "
+                         "(HTTP 401): set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD for it"
+                         ], done.stderr[-3000:]
         assert "Traceback" not in done.stderr and "not-the-password" not in done.stderr
     assert "sweep job" not in sweep.stderr, "no job starts"
 

@@ -53,7 +53,7 @@ class RunLog:
     def files(self, paths: Iterable[str | Path], artifact_dir: str | None = None) -> None:
         if self.tracker:
             for path in paths:
-                self.tracker.client.log_artifact(self.run_id, str(path), artifact_dir)
+                self.tracker.log_file(self.run_id, path, artifact_dir)
 
 
 @contextmanager

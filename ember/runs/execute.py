@@ -21,6 +21,7 @@ from ember.experiments import ExperimentFailure
 from ember.provenance import config_digest, environment_tags, flatten
 from ember.runconfig import describe_error
 from ember.runs import models
+from ember.runs.checkpoint import Checkpoints
 from ember.runs.effect import LogitsRecorder, measure_effect, record_effect
 from ember.runs.job import JobInfo, threads_for
 from ember.runs.objective import Objective, TrialFailed, parse_objective, sweeper_direction
@@ -116,7 +117,7 @@ def _execute(cfg: DictConfig, job: JobInfo) -> JobOutcome:
             status = FINISHED if code == EXIT_OK else FAILED
     except KeyboardInterrupt:
         status, code, detail = KILLED, EXIT_INTERRUPTED, "interrupted"
-        say(f"ember: {where}interrupted; the run is recorded as KILLED")
+        say(f"\nember: {where}interrupted" + (f" ({recorder.kept})" if recorder.kept else ""))
         raise
     except EmberError as error:
         detail = str(error)
@@ -136,6 +137,9 @@ def _execute(cfg: DictConfig, job: JobInfo) -> JobOutcome:
     finally:
         try:
             recorder.close(status)
+            if recorder.last_run_id is not None:
+                say(f"ember: {where}recorded as MLflow run {recorder.last_run_id} ({status}) in "
+                    f"{recorder.store_uri}")
         except Exception as error:
             say(f"ember: {where}could not close the MLflow run as {status}: {describe_error(error)}")
             code = code or EXIT_FAILED
@@ -185,15 +189,25 @@ def _run_prepared(prepared: Prepared, job: JobInfo, recorder: Recorder, threads:
     from ember.tracing import Tracer
 
     tracer = Tracer(layers=run.trace_layers) if run.tracing else None
+    checkpoints = Checkpoints(recorder, prepared.prompt_ids, prepared.experiments, show=stream)
     try:
         generation = model.generate(
             prepared.prompt_ids, max_new_tokens=run.max_new_tokens, temperature=run.sampling.temperature,
             top_k=run.sampling.top_k, top_p=run.sampling.top_p, min_p=run.sampling.min_p,
-            seed=run.sampling.seed, experiments=experiments, on_text=stream, tracer=tracer,
-            stop_at_eog=run.stop_at_eog,
+            seed=run.sampling.seed, experiments=experiments, on_text=checkpoints.on_text,
+            on_token=checkpoints.on_token, tracer=tracer, stop_at_eog=run.stop_at_eog,
         )
     except ExperimentFailure as error:
         failure, generation = error, error.generation
+    except KeyboardInterrupt:  # keep what was shown, and the experiments' results so far
+        recorder.kept = f"after {len(checkpoints.token_ids)} generated tokens, kept in the run"
+        checkpoints.write("interrupted")
+        for experiment in prepared.experiments:
+            try:
+                recorder.result(str(experiment.name), experiment.results())
+            except Exception:
+                pass
+        raise
     if stream is not None:
         print(flush=True)
 
@@ -233,8 +247,6 @@ def _run_prepared(prepared: Prepared, job: JobInfo, recorder: Recorder, threads:
         say(f"ember: {where}{prepared.run_name}: {generation.text!r} ({summary})")
     else:
         say(f"ember: {prepared.run_name}: {summary}")
-    if recorder.run_id is not None and recorder.tracker is not None:
-        say(f"ember: recorded as MLflow run {recorder.run_id} in {recorder.tracker.store.tracking_uri}")
     return EXIT_OK, ""
 
 
