@@ -105,6 +105,17 @@ def _main() -> int:
         say(f"ember: {error}")
         _close_open_sweep(interrupted=False)
         return EXIT_USAGE
+    except Exception as error:
+        # A launcher's own crash (a joblib worker that died takes its pool down): the sweep is closed
+        # FAILED and its jobs named, not left behind a traceback.
+        if tracking.active_sweep_dir() is None:
+            raise
+        text = str(error).strip().splitlines()
+        say(f"ember: the sweep's launcher stopped: {type(error).__name__}: {text[0] if text else ''}")
+        sweep = _close_open_sweep(interrupted=False)
+        if sweep is not None:
+            _report_sweep(sweep, started)
+        return EXIT_FAILED
     except KeyboardInterrupt:
         sweep = _close_open_sweep(interrupted=True)
         if sweep is not None:
@@ -131,16 +142,16 @@ def _main() -> int:
 
 def _report_sweep(sweep: tracking.SweepSummary, started: float) -> int:
     jobs = sweep.jobs or len(_EXIT_CODES)
+    for line in sweep.retried_jobs:
+        say(f"ember: {line}")
+    if sweep.best:
+        say(f"ember: best trial: {sweep.best}")
     if not sweep.ok:
         say(f"ember: sweep finished with {len(sweep.failed_jobs)} failed job(s) of {jobs}:")
         for line in sweep.failed_jobs:
             say(f"  {line}")
         return EXIT_FAILED
     say(f"ember: sweep of {jobs} job(s) finished in {time.perf_counter() - started:.1f} s")
-    for line in sweep.retried_jobs:
-        say(f"ember: {line}")
-    if sweep.best:
-        say(f"ember: best trial: {sweep.best}")
     return EXIT_OK
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import time
 import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -85,6 +86,7 @@ def in_launch_dir(job: JobInfo) -> Iterator[None]:
 
 
 def _execute(cfg: DictConfig, job: JobInfo) -> JobOutcome:
+    started = time.perf_counter()
     if os.getcwd() not in sys.path:  # `_target_: experiments.my_module.MyExperiment` from here
         sys.path.insert(0, os.getcwd())
     where = job.where()
@@ -136,6 +138,8 @@ def _execute(cfg: DictConfig, job: JobInfo) -> JobOutcome:
         recorder.log_text(text, "error.txt")
     finally:
         try:
+            # The whole job in this process, validation and loading included (a sweep's per-job cost).
+            recorder.log_metrics([("job.seconds", time.perf_counter() - started, 0)])
             recorder.close(status)
             if recorder.last_run_id is not None:
                 say(f"ember: {where}recorded as MLflow run {recorder.last_run_id} ({status}) in "
