@@ -547,7 +547,7 @@ class SweepCallback(Callback):
         print(f"ember: sweep job {int(number) + 1}/{size}: {overrides}", file=sys.stderr, flush=True)
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
-        finish_sweep(str(config.hydra.sweep.dir))
+        finish_sweep(str(config.hydra.sweep.dir), all_returned=True)
 
 
 SWEEP_SIZE_ENV = "EMBER_SWEEP_SIZE"
@@ -675,7 +675,8 @@ def start_sweep(config: Any, size: int | None = None) -> str | None:
     return run_id
 
 
-def finish_sweep(sweep_dir: str, *, interrupted: bool = False, error: str | None = None) -> SweepSummary:
+def finish_sweep(sweep_dir: str, *, interrupted: bool = False, error: str | None = None,
+                 all_returned: bool = False) -> SweepSummary:
     """Close the sweep: every job that did not finish is named; the parent run ends KILLED on
     interruption, FAILED if any job failed, died or left no run, else FINISHED.
 
@@ -683,6 +684,11 @@ def finish_sweep(sweep_dir: str, *, interrupted: bool = False, error: str | None
     record there) and, for jobs that ran on this machine, from the status files in their folders.
     A job may have several child runs: a launcher that retries a job whose worker died (Ray) starts
     it again as a new run. The last attempt decides; the earlier ones are named as retried.
+
+    A child run still RUNNING is closed as KILLED when nobody can be writing it any more: when the
+    launcher returned every job (`all_returned`, the normal end), or when its process is gone (a
+    heartbeat check, `ember.heartbeat`). After a launcher crash or Ctrl-C, a job a cluster still runs
+    (a SLURM task outlives the command that submitted it) is left alone and named as still running.
     """
     global _LAST_SWEEP
     folder = Path(sweep_dir).resolve()
@@ -698,7 +704,8 @@ def finish_sweep(sweep_dir: str, *, interrupted: bool = False, error: str | None
         tracker = Tracker.attach(Store(record["tracking_uri"]), record["experiment_id"])
         jobs.update(str(n) for n in range(int(record.get("size") or 0)))
         try:
-            attempts: dict[str, list[tuple[Any, str]]] | None = _attempts_by_job(tracker.client, record)
+            attempts: dict[str, list[tuple[Any, str]]] | None = _attempts_by_job(tracker.client, record,
+                                                                                 all_returned)
         except Exception as failure:  # the store is away: the job status files still tell the story
             if not outbox.unreachable(failure, record["tracking_uri"]):
                 raise
@@ -765,10 +772,10 @@ def _tag_best_trial(tracker: Tracker, record: Mapping[str, Any], attempts: Attem
     return f"job #{num} ({overrides.get(num, '?')}): objective {value:g}, run {run.info.run_id}"
 
 
-def _attempts_by_job(client: Any, record: Mapping[str, Any]) -> dict[str, list[tuple[Any, str]]]:
-    """Job number -> its child runs in start order, each with its status. A child still RUNNING now
-    that every job has returned has nobody left to close it (its process was killed or lost): it is
-    closed as KILLED here."""
+def _attempts_by_job(client: Any, record: Mapping[str, Any],
+                     all_returned: bool) -> dict[str, list[tuple[Any, str]]]:
+    """Job number -> its child runs in start order, each with its status. A child still RUNNING whose
+    writer is gone (see `finish_sweep`) is closed as KILLED here."""
     children, token = [], None
     while True:
         page = client.search_runs([record["experiment_id"]],
@@ -782,8 +789,10 @@ def _attempts_by_job(client: Any, record: Mapping[str, Any]) -> dict[str, list[t
     for child in sorted(children, key=lambda r: r.info.start_time or 0):
         status = child.info.status
         if status == "RUNNING":
-            heartbeat.close_dead_run(client, child, "its sweep ended while it was still RUNNING")
-            status = KILLED
+            dead = heartbeat.dead_reason(child.data.tags)
+            if all_returned or dead:
+                heartbeat.close_dead_run(client, child, dead or "its sweep ended while it was still RUNNING")
+                status = KILLED
         num = child.data.tags.get("ember.job")
         if num is not None:
             attempts.setdefault(num, []).append((child, status))
@@ -801,6 +810,8 @@ def _where(run: Any) -> str:
 def _run_problem(run: Any, status: str) -> str:
     """Why a job's run did not finish, in a few words."""
     tags = run.data.tags
+    if status == "RUNNING":
+        return f"still running ({_where(run)}): its process is alive or its heartbeat recent; not closed"
     if status == KILLED and not tags.get("ember.error"):
         return f"killed: its process died without closing its run ({_where(run)})"
     detail = tags.get("ember.failure") or tags.get("ember.error") or ""

@@ -209,6 +209,17 @@ def test_ray_keeps_every_address_on_loopback(ray_head):
         assert local.startswith(("127.0.0.1:", "[::ffff:127.0.0.1]:")), line
 
 
+def test_the_ray_head_lets_in_only_its_token(tmp_path, ray_head):
+    wrong = {**ray_head.client_env(), "RAY_AUTH_TOKEN": "0" * 64}
+    done = ember_run(tmp_path, "-m", "hydra/launcher=ray", "layer=0,1", "mlflow=off", env=wrong, timeout=300)
+    assert done.returncode == 2, done.stderr[-3000:]
+    lines = [line for line in done.stderr.splitlines() if line.startswith("ember:")]
+    assert lines == [f"ember: the Ray cluster at {ray_head.address} refused this command: its token "
+                     "authentication wants the cluster's token in RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH), "
+                     "with RAY_AUTH_MODE=token"], done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and "sweep job" not in done.stderr
+
+
 def test_a_wrong_password_is_one_clear_line(tmp_path, server, ray_head):
     wrong = {"MLFLOW_TRACKING_USERNAME": server.user[0], "MLFLOW_TRACKING_PASSWORD": "not-the-password"}
     single = ember_run(tmp_path, f"mlflow.tracking_uri={server.url}", "max_new_tokens=1", env=wrong,

@@ -172,3 +172,51 @@ def test_every_child_run_says_where_it_ran(tmp_path, monkeypatch, smollm2_path):
         tags = child.data.tags
         assert tags["ember.scheduler"] == "local" and tags["ember.pid"] == str(os.getpid())
         assert tags["ember.host"] and tags["ember.scheduler.cpus"] == str(CORES)
+
+
+# ------------------------------------------------------------------------------------ closing a sweep
+
+
+def sweep_config(sweep_dir: Path, name: str):
+    return OmegaConf.create({
+        "hydra": {"sweep": {"dir": str(sweep_dir)}, "overrides": {"task": ["layer=0,1,2"]},
+                  "launcher": {"_target_": "hydra_plugins.ember_launchers.ray_launcher.EmberRayLauncher"}},
+        "mlflow": {"tracking_uri": None, "experiment_name": name, "enabled": True},
+        "model": {"source": "smollm2-135m"},
+    })
+
+
+def test_closing_a_sweep_judges_each_job_by_its_last_attempt(tmp_path, monkeypatch):
+    prepared_store(tmp_path / "outputs")
+    monkeypatch.chdir(tmp_path)
+    sweep_dir = tmp_path / "sweep"
+    parent = tracking.start_sweep(sweep_config(sweep_dir, "closing"), 3)
+    store = tracking.resolve_store(tracking.settings_from_config(sweep_config(sweep_dir, "closing")))
+    tracker = tracking.Tracker(store, "closing")
+    done = {}
+    for num, status in (("0", tracking.FINISHED), ("1", tracking.KILLED), ("1", tracking.FINISHED)):
+        tags = {"ember.job": num, "ember.overrides": f"layer={num}"}
+        run_id = tracker.start_run(f"job {num}", tags, parent)
+        tracker.end_run(run_id, status)
+        done.setdefault(num, []).append(run_id)
+    # Job 2's run is open, and its process (this one) alive: after a launcher crash it may still be
+    # running somewhere (a SLURM task outlives its submitter), so it is named, not closed.
+    open_run = tracker.start_run("job 2", {"ember.job": "2", "ember.overrides": "layer=2"}, parent)
+    summary = tracking.finish_sweep(str(sweep_dir), error="the sweep stopped before its end")
+    assert [line.split(" (")[0] for line in summary.failed_jobs[:-1]] == ["job #2"]
+    assert "still running" in summary.failed_jobs[0]
+    assert summary.retried_jobs == (f"job #1 (layer=1): retried: attempt 1 killed (run {done['1'][0]} on "
+                                    f"{placement.detect().host}, pid {os.getpid()}); attempt 2 finished",)
+    assert tracker.client.get_run(open_run).info.status == "RUNNING"
+    parent_run = tracker.client.get_run(parent)
+    assert parent_run.info.status == "FAILED" and parent_run.data.tags["ember.sweep.child_runs"] == "4"
+    tracking.forget_active_sweep()
+
+    # At a normal end every job has returned: a run still open has nobody left to close it.
+    sweep_dir2 = tmp_path / "sweep2"
+    parent2 = tracking.start_sweep(sweep_config(sweep_dir2, "closing"), 1)
+    left_open = tracker.start_run("job 0", {"ember.job": "0", "ember.overrides": "layer=0"}, parent2)
+    summary = tracking.finish_sweep(str(sweep_dir2), all_returned=True)
+    assert tracker.client.get_run(left_open).info.status == "KILLED"
+    assert "killed: its process died without closing its run" in summary.failed_jobs[0]
+    tracking.forget_active_sweep()

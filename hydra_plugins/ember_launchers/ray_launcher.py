@@ -59,7 +59,10 @@ class EmberRayLauncher(Launcher):
         setup_globals()
         configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
         Path(str(self.config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
-        start_ray(self.ray_cfg.init)
+        try:
+            start_ray(self.ray_cfg.init)
+        except Exception as error:
+            raise _refused(error, self.ray_cfg.init) from None
 
         submitted = []
         for number, overrides in enumerate(job_overrides, start=initial_job_idx):
@@ -79,6 +82,25 @@ class EmberRayLauncher(Launcher):
             except ray.exceptions.RayError as error:
                 results.append(_lost(number, overrides, job_config, error))
         return results
+
+
+def _refused(error: Exception, init: Any) -> Exception:
+    """Ray would not let this command join: one line saying so (ember prints it and exits 2); other
+    errors pass unchanged."""
+    from ember.errors import EmberError
+
+    chain, cause = [], error
+    while cause is not None and len(chain) < 10:
+        chain.append(cause)
+        cause = cause.__cause__ or cause.__context__
+    if not any(type(e).__name__ == "AuthenticationError" for e in chain):
+        return error
+    import os
+
+    address = OmegaConf.select(init, "address", default=None) or os.environ.get("RAY_ADDRESS") or "?"
+    return EmberError(f"the Ray cluster at {address} refused this command: its token authentication "
+                      f"wants the cluster's token in RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH), with "
+                      f"RAY_AUTH_MODE=token")
 
 
 def _lost(number: int, overrides: list[str], job_config: Any, error: Exception) -> JobReturn:
