@@ -214,9 +214,10 @@ def test_the_ray_head_lets_in_only_its_token(tmp_path, ray_head):
     done = ember_run(tmp_path, "-m", "hydra/launcher=ray", "layer=0,1", "mlflow=off", env=wrong, timeout=300)
     assert done.returncode == 2, done.stderr[-3000:]
     lines = [line for line in done.stderr.splitlines() if line.startswith("ember:")]
-    assert lines == [f"ember: the Ray cluster at {ray_head.address} refused this command: its token "
-                     "authentication wants the cluster's token in RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH), "
-                     "with RAY_AUTH_MODE=token"], done.stderr[-3000:]
+    assert lines == [f"ember: could not join the Ray cluster at {ray_head.address} (ConnectionError: Failed "
+                     f"to connect to Ray cluster at {ray_head.address}); a cluster with token authentication "
+                     "wants its token in RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH) with RAY_AUTH_MODE=token"
+                     ], done.stderr[-3000:]
     assert "Traceback" not in done.stderr and "sweep job" not in done.stderr
 
 

@@ -85,22 +85,23 @@ class EmberRayLauncher(Launcher):
 
 
 def _refused(error: Exception, init: Any) -> Exception:
-    """Ray would not let this command join: one line saying so (ember prints it and exits 2); other
-    errors pass unchanged."""
-    from ember.errors import EmberError
+    """Ray could not be started or joined: one line saying where and why (ember prints it, exit 2).
 
-    chain, cause = [], error
-    while cause is not None and len(chain) < 10:
-        chain.append(cause)
-        cause = cause.__cause__ or cause.__context__
-    if not any(type(e).__name__ == "AuthenticationError" for e in chain):
-        return error
+    A cluster with token authentication refuses a wrong or missing token with a ConnectionError
+    ("Failed to connect ...", the reason only in Ray's own log lines), so the hint names the token."""
     import os
 
-    address = OmegaConf.select(init, "address", default=None) or os.environ.get("RAY_ADDRESS") or "?"
-    return EmberError(f"the Ray cluster at {address} refused this command: its token authentication "
-                      f"wants the cluster's token in RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH), with "
-                      f"RAY_AUTH_MODE=token")
+    from ember.errors import EmberError
+
+    address = OmegaConf.select(init, "address", default=None) or os.environ.get("RAY_ADDRESS")
+    text = str(error).strip().splitlines()
+    reason = f"{type(error).__name__}: {text[0] if text else ''}"
+    where = f"the Ray cluster at {address}" if address else "a Ray instance on this machine"
+    hint = ""
+    if isinstance(error, ConnectionError) or type(error).__name__ == "AuthenticationError":
+        hint = ("; a cluster with token authentication wants its token in RAY_AUTH_TOKEN (or "
+                "RAY_AUTH_TOKEN_PATH) with RAY_AUTH_MODE=token")
+    return EmberError(f"could not join {where} ({reason}){hint}")
 
 
 def _lost(number: int, overrides: list[str], job_config: Any, error: Exception) -> JobReturn:
