@@ -169,6 +169,22 @@ class Tracker:
     def log_figure(self, run_id: str, figure: Any, artifact_file: str) -> None:
         self.client.log_figure(run_id, figure, artifact_file)
 
+    def log_table(self, run_id: str, columns: Mapping[str, Sequence[Any]], artifact_file: str) -> None:
+        """Columns (name -> one value per row) as MLflow's table artifact (JSON, `split` orientation),
+        which the UI shows as a table (the run's `mlflow.loggedArtifacts` tag names it)."""
+        self.client.log_table(run_id, data=dict(columns), artifact_file=artifact_file)
+
+    def log_dataset(self, run_id: str, name: str, digest: str, source_type: str, source: Mapping[str, Any],
+                    schema: Mapping[str, Any] | None = None, rows: int | None = None,
+                    context: str = "eval") -> None:
+        """A dataset input of the run (the UI's Datasets column shows name and digest)."""
+        from mlflow.entities import Dataset, DatasetInput, InputTag
+
+        dataset = Dataset(name=name, digest=digest, source_type=source_type, source=json.dumps(source),
+                          schema=json.dumps(schema) if schema is not None else None,
+                          profile=json.dumps({"num_rows": rows}) if rows is not None else None)
+        self.client.log_inputs(run_id, [DatasetInput(dataset, [InputTag("mlflow.data.context", context)])])
+
 
 def _json_default(value: Any) -> Any:
     if isinstance(value, np.ndarray):

@@ -104,6 +104,8 @@ def _run_prepared(prepared: Prepared, job: JobInfo, recorder: Recorder, threads:
                        "model.context_length": str(model.context_length)})
     recorder.log_metrics([("model.load_seconds", 0.0 if cache_hit else model.load_seconds, 0),
                           ("model.first_load_seconds", model.load_seconds, 0)])
+    if prepared.study is not None:
+        return _run_study(prepared, model, recorder, job, where)
 
     recorder_experiment = LogitsRecorder() if prepared.effect_wanted else None
     experiments = prepared.experiments + ([recorder_experiment] if recorder_experiment else [])
@@ -162,6 +164,25 @@ def _run_prepared(prepared: Prepared, job: JobInfo, recorder: Recorder, threads:
         say(f"ember: {where}{prepared.run_name}: {generation.text!r} ({summary})")
     else:
         say(f"ember: {prepared.run_name}: {summary}")
+    if recorder.run_id is not None and recorder.tracker is not None:
+        say(f"ember: recorded as MLflow run {recorder.run_id} in {recorder.tracker.store.tracking_uri}")
+    return EXIT_OK, ""
+
+
+def _run_study(prepared: Prepared, model: object, recorder: Recorder, job: JobInfo,
+               where: str) -> tuple[int, str]:
+    """A prompt set item by item (ember.runs.study); a failed experiment fails the run after the
+    items done so far are recorded."""
+    from ember.runs.study import Study
+
+    outcome = Study(prepared, model, recorder, say).run()
+    for line in outcome.summary:
+        say(f"ember: {where}{line}" if line is outcome.summary[0] else line)
+    if outcome.failure is not None:
+        say(f"ember: {where}{outcome.failure} (after {outcome.items_done} of "
+            f"{len(prepared.study.items)} items)")
+        recorder.set_tags(tracking.failure_tags(tracking.failure_record(outcome.failure, None)))
+        return EXIT_FAILED, str(outcome.failure)
     if recorder.run_id is not None and recorder.tracker is not None:
         say(f"ember: recorded as MLflow run {recorder.run_id} in {recorder.tracker.store.tracking_uri}")
     return EXIT_OK, ""
