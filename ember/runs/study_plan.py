@@ -40,7 +40,8 @@ def plan_study(run: Any, experiments: Sequence[Any], tokenizer: Any, layer_count
     drivers = [e for e in experiments if callable(getattr(e, "evaluate_item", None))]
     if drivers and len(experiments) > 1:
         raise ConfigError(f"experiment {drivers[0].name!r} evaluates each item with passes of its own and "
-                          f"runs alone; remove the other experiments from this job ({len(experiments) - 1} more)")
+                          f"runs alone; remove the other experiments from this job "
+                          f"({len(experiments) - 1} more)")
     items = tuple(study_item(i, item, tokenizer) for i, item in enumerate(prompt_set.items))
     for item, source in zip(items, prompt_set.items, strict=True):
         longest = max(len(item.token_ids), len(item.corrupted_ids or ()))
