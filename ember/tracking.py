@@ -441,6 +441,7 @@ def finish_sweep(sweep_dir: str, *, interrupted: bool = False, error: str | None
             if num not in recorded:
                 problems.setdefault(num, "no MLflow run")
         failed_jobs = _describe_jobs(folder, problems)
+        _summarize(client, record)
         tags = {"ember.sweep.jobs": str(len(statuses)), "ember.sweep.child_runs": str(len(children)),
                 "ember.sweep.failed_jobs": "; ".join(failed_jobs) or "none"}
         if error:
@@ -456,6 +457,19 @@ def finish_sweep(sweep_dir: str, *, interrupted: bool = False, error: str | None
         failed_jobs += (f"the sweep itself: {error}",)
     _LAST_SWEEP = SweepSummary(record["run_id"] if record else None, len(statuses), failed_jobs)
     return _LAST_SWEEP
+
+
+def _summarize(client: Any, record: Mapping[str, Any]) -> None:
+    """The parent's summary of its children (ember.studies.summary); a failure there is noted, never
+    in the way of closing the sweep."""
+    try:
+        from ember.studies.summary import summarize_sweep
+
+        summarize_sweep(client, record["experiment_id"], record["run_id"])
+    except Exception as error:
+        log.warning("ember: could not summarise the sweep in its parent run: %s", error)
+        detail = _text(f"{type(error).__name__}: {error}", MAX_TAG_LENGTH)
+        client.set_tag(record["run_id"], "ember.sweep.summary_error", detail)
 
 
 def _describe_jobs(folder: Path, problems: Mapping[str, str]) -> tuple[str, ...]:

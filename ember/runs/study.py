@@ -119,15 +119,7 @@ class Study:
             reply = self.clock.timed("engine", lambda: self._evaluate(experiment, request))  # noqa: B023
 
     def _evaluate(self, experiment: Any, request: Evaluation) -> np.ndarray:
-        ids = list(request.token_ids)
-        if not request.attach:
-            return self.model.evaluate(ids)
-        runner = ExperimentRunner([experiment], self.model.model_context)
-        runner.on_model_loaded()
-        runner.before_prefill(0, len(ids))
-        logits = self.model.evaluate(ids, observer=runner.hooks)
-        runner.on_generation_complete(len(ids), 0, 0)
-        return logits
+        return evaluate_request(self.model, experiment, request)
 
     def _generate(self, item: StudyItem, run: Any) -> ItemResult:
         """The runner's own per-item pass: one generation with the experiments attached."""
@@ -272,6 +264,39 @@ class Study:
             elif (name, 0) in aggregates:
                 lines.append(f"  {name}: {_interval(aggregates[(name, 0)])}")
         return lines
+
+
+def evaluate_request(model: Any, experiment: Any, request: Evaluation) -> np.ndarray:
+    """One requested evaluation: a prefill over a fresh cache, the experiment's hooks attached (unless
+    `attach=False`), through the same lifecycle as a generation; the last position's logits."""
+    ids = list(request.token_ids)
+    if not request.attach:
+        return model.evaluate(ids)
+    runner = ExperimentRunner([experiment], model.model_context)
+    runner.on_model_loaded()
+    runner.before_prefill(0, len(ids))
+    logits = model.evaluate(ids, observer=runner.hooks)
+    runner.on_generation_complete(len(ids), 0, 0)
+    return logits
+
+
+def drive(steps: Generator[Evaluation, np.ndarray, Any] | None,
+          answer: Callable[[Evaluation], np.ndarray]) -> Any:
+    """Answer a study generator's evaluation requests until it returns; its return value."""
+    if steps is None:
+        return None
+    reply: np.ndarray | None = None
+    while True:
+        try:
+            request = steps.send(reply)
+        except StopIteration as done:
+            return done.value
+        reply = answer(request)
+
+
+def run_item(model: Any, experiment: Any, item: StudyItem) -> ItemResult | None:
+    """One item through an experiment's own passes, as a study runs it (outside a job: tests, notebooks)."""
+    return drive(experiment.evaluate_item(item), lambda request: evaluate_request(model, experiment, request))
 
 
 def answer_values(logits: np.ndarray, item: StudyItem) -> dict[str, float]:
