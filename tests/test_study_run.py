@@ -45,7 +45,8 @@ def runs_of(workdir: Path, experiment: str) -> list:
 def table(workdir: Path, run, path: str) -> dict:
     target = workdir / "downloads" / run.info.run_id
     target.mkdir(parents=True, exist_ok=True)
-    return json.loads(Path(client(workdir).download_artifacts(run.info.run_id, path, str(target))).read_text())
+    local = client(workdir).download_artifacts(run.info.run_id, path, str(target))
+    return json.loads(Path(local).read_text())
 
 
 def steps(workdir: Path, run, key: str) -> dict[int, float]:
@@ -70,7 +71,8 @@ def test_a_prompt_set_is_evaluated_item_by_item(workdir, capsys):
     assert json.loads(dataset.profile) == {"num_rows": 4}
     assert {t.key: t.value for t in dataset_input.tags}["mlflow.data.context"] == "eval"
     # per-item rows as MLflow's table artifact, which the run's loggedArtifacts tag names
-    assert {"path": "study/items.json", "type": "table"} in json.loads(run.data.tags["mlflow.loggedArtifacts"])
+    logged = json.loads(run.data.tags["mlflow.loggedArtifacts"])
+    assert {"path": "study/items.json", "type": "table"} in logged
     items = table(workdir, run, "study/items.json")
     assert len(items["data"]) == 4
     columns = items["columns"]
