@@ -6,7 +6,8 @@ Checked within 1e-3 (absolute):
 * logit lens: per layer, the answer's probability and the top-5 probabilities at the last position, on
   three capitals items;
 * activation patching: the share of the logit difference restored, per (site, layer, position), on two
-  capitals items, all three sites, every layer and every position from the first changed token.
+  capitals items, all three sites, every fifth layer and the last, every position from the first changed
+  token (each nnsight pass is a traced torch forward: every layer would take half an hour on 2 cores).
 """
 
 from __future__ import annotations
@@ -121,12 +122,15 @@ def _first_output(envoy):
     return output[0] if isinstance(output, tuple) else output
 
 
+PATCH_LAYERS = [0, 5, 10, 15, 20, 25, 29]
+
+
 def test_patching_scores_match_nnsight(smollm2, hf_model, items):
     sites = ["residual", "attention", "mlp"]
     worst = 0.0
     for item in items[:2]:
         item_scores = _item_scores(smollm2, item, sites)
-        theirs = nnsight_patching(hf_model, item, sites, list(range(smollm2.config.layer_count)))
+        theirs = nnsight_patching(hf_model, item, sites, PATCH_LAYERS)
         worst = max(worst, float(np.abs(item_scores - theirs).max()))
     print(f"\n  activation patching: max |Δ restored share| vs nnsight {worst:.2e}")
     assert worst <= TOLERANCE
@@ -134,6 +138,6 @@ def test_patching_scores_match_nnsight(smollm2, hf_model, items):
 
 def _item_scores(model, item, sites) -> np.ndarray:
     """ember's per-(site, layer, position) scores of one item (the figure array of that item)."""
-    patching = ActivationPatching(sites=sites, figure_items=1)
+    patching = ActivationPatching(sites=sites, layers=PATCH_LAYERS, figure_items=1)
     run_item(model, patching, item)
     return patching.results().arrays[f"item{item.index}_restored"]

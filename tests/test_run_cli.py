@@ -182,7 +182,7 @@ def test_activation_stats_logs_per_layer_series_arrays_and_a_figure(workdir):
 
 def test_custom_experiment_from_the_experiments_folder(workdir, monkeypatch):
     monkeypatch.syspath_prepend(str(REPO))
-    assert run_main("experiment=steering", "max_new_tokens=3", "mlflow.experiment_name=t_steer") == 0
+    assert run_main("experiment=custom_steering", "max_new_tokens=3", "mlflow.experiment_name=t_steer") == 0
     run = only_run(workdir, "t_steer")
     assert run.info.status == "FINISHED"
     assert run.info.run_name == "steering_vector[layer=6] smollm2-135m"

@@ -49,7 +49,8 @@ class Ablation(Experiment):
         if not layers or any(isinstance(x, bool) or not isinstance(x, int) for x in layers):
             raise ConfigError(f"ablation: layer must be a layer index or a list of them, got {layer!r}")
         self.name = name
-        self.layers = frozenset(layers)
+        self.layers = tuple(sorted(set(layers)))
+        self._layer_set = frozenset(layers)
         self.target = target
         self.mode = mode
         self.phases = parse_phases(phases)
@@ -83,7 +84,7 @@ class Ablation(Experiment):
             self._means[key] = np.stack([first, later]).astype(np.float32)
 
     def _site(self, site: str, ctx: LayerContext, tensor: TensorAccess) -> None:
-        if site not in self.sites or ctx.layer_index not in self.layers:
+        if site not in self.sites or ctx.layer_index not in self._layer_set:
             return
         execution = ctx.execution
         if self._collecting:
