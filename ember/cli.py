@@ -65,7 +65,8 @@ def _common() -> argparse.ArgumentParser:
 
 def _sampling(parser: argparse.ArgumentParser, max_new_tokens: int) -> None:
     group = parser.add_argument_group("generation")
-    group.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+    group.add_argument("--max-new-tokens", type=int, default=max_new_tokens,
+                       help="tokens to generate; 0: prefill only, no token (default: %(default)s)")
     group.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
     group.add_argument("--top-k", type=int, default=0)
     group.add_argument("--top-p", type=float, default=1.0)
@@ -82,10 +83,18 @@ def _prompt_set_options(parser: argparse.ArgumentParser) -> None:
                         help="last token or mean over tokens (default: last)")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with a mistake reported as one `ember:` line (not the usage block), exit status 2."""
+
+    def error(self, message: str) -> Any:
+        print(f"ember: {message} ({self.prog} --help shows the options)", file=sys.stderr, flush=True)
+        self.exit(EXIT_USAGE)
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = _common()
-    parser = argparse.ArgumentParser(prog="ember", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _Parser(prog="ember", description=__doc__.split("\n\n")[0],
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     gen = sub.add_parser("generate", parents=[common], help="generate text (experiments, dumps, tracing)")
@@ -117,7 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
         _sampling(chat, 256)
 
     demo = sub.add_parser("demo", parents=[common], help="a short scripted showcase of generation")
-    demo.add_argument("--max-new-tokens", type=int, default=48)
+    demo.add_argument("--max-new-tokens", type=int, default=48,
+                      help="tokens per reply; 0: prefill only, no token (default: %(default)s)")
 
     bench = sub.add_parser("benchmark", parents=[common], help="load, prefill, decode figures and peak RSS")
     bench.add_argument("--prompt-tokens", type=int, default=64)
@@ -127,6 +137,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("run", help="the Hydra front door: ember run [group=option key=value ...] (see ember.run)",
                    add_help=False)
+
+    runs = sub.add_parser("runs", help="look after recorded runs (ember runs repair)")
+    actions = runs.add_subparsers(dest="runs_command", metavar="ACTION", required=True)
+    repair = actions.add_parser("repair", help="close as KILLED the RUNNING runs whose process died")
+    repair.add_argument("--mlflow-uri", default=None, help="MLflow tracking URI (default: as `ember run`)")
     return parser
 
 
@@ -397,9 +412,97 @@ def cmd_benchmark(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_runs(args: argparse.Namespace) -> int:
+    """`ember runs repair`: every RUNNING run of the store whose process is gone is closed as KILLED."""
+    from ember import tracking
+    from ember.runconfig import MlflowSettings
+
+    store = tracking.resolve_store(MlflowSettings(args.mlflow_uri, "ember", True))
+    if store.tracking_uri.startswith("sqlite:///") and not Path(store.tracking_uri[10:]).exists():
+        say(f"no MLflow store at {store.tracking_uri[10:]}: nothing to repair")
+        return EXIT_OK
+    from mlflow.tracking import MlflowClient
+
+    repaired = tracking.repair_store(MlflowClient(store.tracking_uri), store.tracking_uri)
+    say(f"{len(repaired)} run(s) of dead processes closed as KILLED in {store.tracking_uri}"
+        if repaired else f"no run of a dead process in {store.tracking_uri}")
+    return EXIT_OK
+
+
 COMMANDS = {"generate": cmd_generate, "extract": cmd_extract, "probe": cmd_probe,
             "interactive": cmd_interactive, "chat": cmd_interactive, "demo": cmd_demo,
-            "benchmark": cmd_benchmark}
+            "benchmark": cmd_benchmark, "runs": cmd_runs}
+
+
+# ------------------------------------------------------------------------------------ checks
+
+
+def check_options(args: argparse.Namespace) -> None:
+    """Every option's type and range, from the arguments alone (the same rules as `ember run`)."""
+    from ember.runconfig import check_int, check_number
+
+    def whole(name: str, minimum: int, allow_none: bool = False) -> None:
+        attribute = name.replace("-", "_")
+        if hasattr(args, attribute):
+            check_int(f"--{name}", getattr(args, attribute), minimum=minimum, allow_none=allow_none)
+
+    whole("context-length", 1, allow_none=True)
+    whole("threads", 1, allow_none=True)
+    whole("max-new-tokens", 0)  # 0: prefill only, no token
+    whole("top-k", 0)
+    whole("seed", 0)
+    whole("folds", 2)
+    whole("prompt-tokens", 1)
+    whole("new-tokens", 2)
+    whole("repeats", 1)
+    if hasattr(args, "temperature"):
+        check_number("--temperature", args.temperature, low=0.0, high=float("inf"), high_open=True)
+        check_number("--top-p", args.top_p, low=0.0, high=1.0, low_open=True)
+        check_number("--min-p", args.min_p, low=0.0, high=1.0, high_open=True)
+    if hasattr(args, "l2"):
+        check_number("--l2", args.l2, low=0.0, high=float("inf"), high_open=True)
+    experiment_specs(getattr(args, "experiment", []))  # their syntax; names and parameters need the model
+
+
+def check_model(args: argparse.Namespace) -> None:
+    """What needs the model file's metadata (its weights are not read): the context length, the
+    experiments and their parameters, layers, and the prompt against the context."""
+    from ember.families import config_from_gguf
+    from ember.gguf_file import GGUFFile
+    from ember.sources import resolve_model
+
+    model_file = resolve_model(args.model, progress=not args.quiet)
+    gguf = GGUFFile.open(model_file.path)
+    config = config_from_gguf(gguf)
+    context = args.context_length or config.context_length
+    if context > config.context_length:
+        raise ConfigError(f"--context-length {context} is longer than {args.model}'s trained context "
+                          f"({config.context_length} tokens)")
+    if args.command in ("extract", "probe"):
+        from ember.inspection.extraction import resolve_layers
+
+        resolve_layers(args.layers, config.layer_count)
+    if args.command != "generate":
+        return
+    from ember.experiments import BUILTIN_EXPERIMENTS
+    from ember.runconfig import build_experiments
+    from ember.tokenizer import Tokenizer
+
+    build_experiments(experiment_specs(args.experiment), BUILTIN_EXPERIMENTS, config.layer_count)
+    tokenizer = Tokenizer.from_gguf(gguf)
+    if args.chat:
+        prompt_tokens = len(tokenizer.encode_chat([{"role": "user", "content": args.prompt}]))
+    else:
+        prompt_tokens = len(tokenizer.encode(args.prompt))
+    if prompt_tokens == 0:
+        raise ConfigError("the prompt is empty: give at least one token")
+    if prompt_tokens + args.max_new_tokens > context:
+        raise ConfigError(f"the prompt ({prompt_tokens} tokens) plus --max-new-tokens {args.max_new_tokens} "
+                          f"is more than the context holds ({context} tokens; --context-length sets it, up "
+                          f"to {config.context_length})")
+
+
+MODEL_COMMANDS = ("generate", "extract", "probe", "interactive", "chat", "demo", "benchmark")
 
 
 # ------------------------------------------------------------------------------------ entry point
@@ -409,6 +512,8 @@ def check_combination(args: argparse.Namespace) -> None:
     """The v0.1 refusals, checked from the arguments alone (nothing is loaded yet)."""
     from ember.inspection.refusal import refuse_with_experiments
 
+    if args.command == "runs":
+        return
     experiments = [spec.partition(":")[0] for spec in args.experiment]
     if args.command == "generate":
         if args.dump_layers:
@@ -437,6 +542,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     try:
         check_combination(args)
+        check_options(args)
+        if args.command in MODEL_COMMANDS:
+            check_model(args)
         from ember import tracking
 
         tracking.quiet_mlflow_logging()

@@ -31,7 +31,9 @@ import hydra
 from omegaconf import DictConfig
 
 from ember import tracking
+from ember.errors import EmberError
 from ember.runs.execute import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, execute, say
+from ember.runs.overrides import describe_hydra_error, preflight
 
 # ------------------------------------------------------------------------------------ entry point
 
@@ -69,12 +71,30 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main() -> int:
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
     _EXIT_CODES.clear()
     tracking.quiet_mlflow_logging()
+    try:
+        preflight(sys.argv[1:], CONF_DIR, "config")
+    except EmberError as error:
+        say(f"ember: {error}")
+        return EXIT_USAGE
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     started = time.perf_counter()
+    # Hydra's own errors are raised to this function (not printed by Hydra) unless the user asked for
+    # Hydra's full reports with HYDRA_FULL_ERROR.
+    user_wants_hydra_reports = "HYDRA_FULL_ERROR" in os.environ
+    os.environ.setdefault("HYDRA_FULL_ERROR", "1")
     try:
         _hydra_task()
+    except (HydraException, OmegaConfBaseException) as error:
+        if user_wants_hydra_reports:
+            raise
+        say(f"ember: {describe_hydra_error(error, sys.argv[1:])}")
+        _close_open_sweep(interrupted=False)
+        return EXIT_USAGE
     except KeyboardInterrupt:
         sweep = _close_open_sweep(interrupted=True)
         if sweep is not None:
@@ -91,6 +111,8 @@ def _main() -> int:
         return code
     finally:
         signal.signal(signal.SIGTERM, previous)
+        if not user_wants_hydra_reports:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
     sweep = _close_open_sweep(interrupted=False)
     if sweep is not None:
         return _report_sweep(sweep, started)

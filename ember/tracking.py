@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 from hydra.experimental.callback import Callback
 
+from ember import heartbeat
 from ember.runconfig import MlflowSettings
 
 log = logging.getLogger(__name__)
@@ -99,6 +100,7 @@ class Tracker:
         self.store = store
         self.client = MlflowClient(tracking_uri=store.tracking_uri)
         self.experiment_id = self._experiment(experiment_name)
+        repair_once(self.client, store.tracking_uri)
 
     def _experiment(self, name: str) -> str:
         from mlflow.exceptions import MlflowException
@@ -121,13 +123,16 @@ class Tracker:
     # -------------------------------------------------------------------------------- runs
 
     def start_run(self, name: str, tags: Mapping[str, Any], parent_run_id: str | None = None) -> str:
-        all_tags = {k: _text(v, MAX_TAG_LENGTH) for k, v in tags.items()}
+        """A RUNNING run tagged with this process and a heartbeat kept fresh until `end_run`."""
+        all_tags = {k: _text(v, MAX_TAG_LENGTH) for k, v in {**heartbeat.process_tags(), **tags}.items()}
         if parent_run_id:
             all_tags["mlflow.parentRunId"] = parent_run_id
         run = self.client.create_run(self.experiment_id, run_name=name, tags=all_tags)
+        heartbeat.start(self.client, run.info.run_id)
         return run.info.run_id
 
     def end_run(self, run_id: str, status: str) -> None:
+        heartbeat.stop(run_id)
         self.client.set_terminated(run_id, status=status)
 
     def log_params(self, run_id: str, params: Mapping[str, Any]) -> None:
@@ -184,6 +189,31 @@ class Tracker:
                           schema=json.dumps(schema) if schema is not None else None,
                           profile=json.dumps({"num_rows": rows}) if rows is not None else None)
         self.client.log_inputs(run_id, [DatasetInput(dataset, [InputTag("mlflow.data.context", context)])])
+
+
+_REPAIRED_STORES: set[str] = set()
+
+
+def repair_once(client: Any, tracking_uri: str) -> list[heartbeat.Repaired]:
+    """The first time this process opens a store: close the runs of dead processes (one line each)."""
+    if tracking_uri in _REPAIRED_STORES:
+        return []
+    _REPAIRED_STORES.add(tracking_uri)
+    return repair_store(client, tracking_uri)
+
+
+def repair_store(client: Any, tracking_uri: str, *, quiet: bool = False) -> list[heartbeat.Repaired]:
+    """Close every RUNNING run of the store whose process died, as KILLED; never raises."""
+    try:
+        repaired = heartbeat.repair_dead_runs(client)
+    except Exception as error:  # the store's own problems show in the command's own calls
+        log.debug("repair of %s failed: %s", tracking_uri, error)
+        return []
+    if not quiet:
+        for run in repaired:
+            print(f"ember: MLflow run {run.run_id} ({run.run_name}) was still RUNNING but {run.reason}; "
+                  f"closed as KILLED", file=sys.stderr, flush=True)
+    return repaired
 
 
 def _json_default(value: Any) -> Any:
@@ -432,7 +462,7 @@ def finish_sweep(sweep_dir: str, *, interrupted: bool = False, error: str | None
         )
         for child in children:  # a job killed without closing its run: close it for it
             if child.info.status == "RUNNING":
-                client.set_terminated(child.info.run_id, status=KILLED)
+                heartbeat.close_dead_run(client, child, "its sweep ended while it was still RUNNING")
                 num = child.data.tags.get("ember.job")
                 if num is not None:
                     problems.setdefault(num, "killed")
@@ -449,6 +479,7 @@ def finish_sweep(sweep_dir: str, *, interrupted: bool = False, error: str | None
         for key, value in tags.items():
             client.set_tag(record["run_id"], key, _text(value, MAX_TAG_LENGTH))
         status = KILLED if interrupted else FAILED if (problems or error) else FINISHED
+        heartbeat.stop(record["run_id"])
         client.set_terminated(record["run_id"], status=status)
         record["closed"] = status
         sweep_record_path(folder).write_text(json.dumps(record))

@@ -267,6 +267,63 @@ def test_user_mistakes_give_one_message_and_status_2(workdir, capsys, args, mess
     assert "Traceback" not in err
 
 
+HYDRA_MISTAKES = [
+    (["experiment=zero_layr"], "experiment=zero_layr: no such option (did you mean zero_layer?); experiment "
+                               "takes one of: activation_stats, none, stats_and_zero, steering, zero_layer"),
+    (["max_new_token=5"], "unknown config key 'max_new_token' (did you mean max_new_tokens?); known keys: "),
+    (["sampling.temprature=1"], "unknown config key 'sampling.temprature' (did you mean temperature?); "
+                                "sampling takes: min_p, seed, temperature, top_k, top_p"),
+    (["sampling=greeedy"], "sampling=greeedy: no such option (did you mean greedy?); sampling takes one of: "
+                           "default, greedy"),
+    (["hydra/launcher=jobl"], "hydra/launcher=jobl: no such option (did you mean joblib?)"),
+    (["layer=[1,2"], "cannot read the override 'layer=[1,2'"),
+    (["max_new_tokens"], "'max_new_tokens' has no value: write max_new_tokens=VALUE"),
+    (["experiment="], "experiment= needs an option: experiment takes one of: "),
+    (["layer=1,2"], "layer=1,2 gives several values: add -m to run one job per value"),
+    (["experiments.0.layer=3"], "experiments.0.layer=3: experiments has no item 0"),
+    (["+max_new_tokens=3"], "max_new_tokens is already in the config; set it without the +"),
+    (["prompt=${nothing}"], "prompt: Interpolation key 'nothing' not found"),
+    (["--bogus"], "unrecognized arguments: --bogus"),
+    (["-m", "layer=0,1", "experiment=none,zero_layr"], "experiment=zero_layr: no such option"),
+    (["max_new_tokens=-1"], "max_new_tokens must be at least 0, got -1"),
+]
+
+
+@pytest.mark.parametrize(("args", "message"), HYDRA_MISTAKES)
+def test_hydra_level_mistakes_are_one_line_and_exit_2(workdir, capsys, args, message):
+    assert run_main(*args, "mlflow.experiment_name=t_hydra") == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("ember: ") and message in lines[0], err
+    assert client(workdir).get_experiment_by_name("t_hydra") is None, "nothing recorded"
+
+
+@pytest.mark.parametrize("front_door", [["-m", "ember.run"], ["-m", "ember.cli", "run"]])
+def test_both_front_doors_give_one_line_and_status_2(workdir, front_door):
+    for args, message in (HYDRA_MISTAKES[0], HYDRA_MISTAKES[1]):
+        done = subprocess.run([sys.executable, *front_door, *args], cwd=workdir, env=subprocess_env(),
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 2 and done.stdout == ""
+        assert done.stderr.count("\n") == 1 and done.stderr.startswith("ember: ") and message in done.stderr
+
+
+def test_hydra_full_error_does_not_bypass_the_one_line(workdir):
+    done = subprocess.run([sys.executable, "-m", "ember.run", "max_new_token=5"], cwd=workdir,
+                          env=subprocess_env(HYDRA_FULL_ERROR="1"), capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 2, "the preflight still refuses it in one line"
+    assert done.stderr.startswith("ember: unknown config key 'max_new_token'")
+
+
+def test_max_new_tokens_0_runs_the_prompt_only(workdir):
+    assert run_main("max_new_tokens=0", "experiment=zero_layer", "layer=3",
+                    "mlflow.experiment_name=t_prefill_only") == 0
+    run = only_run(workdir, "t_prefill_only")
+    assert run.data.metrics["tokens.generated"] == 0
+    assert json.loads(artifact(workdir, run, "generation.json").read_text())["token_ids"] == []
+    assert metric_steps(workdir, run, "effect.kl").keys() == {0}, "the prefill's next-token distribution"
+
+
 def test_ctrl_c_closes_the_run_as_killed(workdir):
     process = subprocess.Popen(
         [sys.executable, "-m", "ember.run", "max_new_tokens=2000", "stop_at_eog=false",
