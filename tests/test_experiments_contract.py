@@ -32,6 +32,7 @@ def test_public_names() -> None:
         "LayerContext", "GenerationContext", "ModelFamily", "ExecutionPhase", "TracingState",
         "TensorDType", "TensorAccess", "ExperimentRunner", "DISABLED_HOOKS", "DisabledHooks",
         "ExperimentResult", "ActivationStats", "ZeroLayerOutput", "BUILTIN_EXPERIMENTS",
+        "Readout", "StudyItem", "Evaluation", "ItemResult",  # v0.2
     ]:
         assert hasattr(ex, name), name
     assert [m.name for m in ModelFamily] == ["LLAMA", "QWEN3", "GEMMA3", "GEMMA4"]

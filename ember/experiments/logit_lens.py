@@ -88,7 +88,7 @@ class LogitLens(Experiment):
             "target_logit": last[:, target].astype(np.float64),
             "kl_to_final": np.maximum(kl, 0.0),
         }
-        top = np.argsort(-last, axis=-1)[:, : self.top_k]
+        top = _top_k(last, self.top_k)
         texts = self._readout.token_text(top.ravel())
         for i, layer in enumerate(layers):
             for rank in range(self.top_k):
@@ -127,6 +127,14 @@ class LogitLens(Experiment):
         builders = {f"item{m['item']}_layers_by_positions": (lambda m=m: _map_figure(m)) for m in self._maps}
         return ExperimentResult(tables={"top_tokens": self._top_rows}, arrays=arrays,
                                 figure_builders=builders)
+
+
+def _top_k(logits: np.ndarray, k: int) -> np.ndarray:
+    """Indices of each row's k largest values, largest first (a partition, then a sort of k)."""
+    k = min(k, logits.shape[-1])
+    part = np.argpartition(-logits, k - 1, axis=-1)[:, :k]
+    order = np.argsort(-np.take_along_axis(logits, part, axis=-1), axis=-1, kind="stable")
+    return np.take_along_axis(part, order, axis=-1)
 
 
 def _first_layer_where(hits: np.ndarray, layers: Sequence[int]) -> int:

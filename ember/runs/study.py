@@ -3,9 +3,9 @@
 Per item, either the experiment that evaluates items itself (`evaluate_item`, contract v0.2) asks for
 its passes, or the runner generates once with the experiments attached (a fresh instance of each v0.1
 experiment per item) and measures: the answer's probability, rank and logit (and the logit difference to
-`wrong_answer`) at the first generated position, whether the greedy continuation starts with the answer,
-and for interventions the effect against the clean model over the same tokens (KL, top-1 agreement,
-first divergent step; the clean answer metrics and their deltas).
+`wrong_answer`) at the first generated position, whether the answer's first token is the top prediction
+(`answer.correct`), and for interventions the effect against the clean model over the same tokens (KL,
+top-1 agreement, first divergent step; the clean answer metrics and their deltas).
 
 Recorded: the prompt set as the run's dataset input; one row per item in the `study/items.json` table;
 per metric (and per step of a series) the mean, standard error and 95% bootstrap interval as metrics
@@ -137,8 +137,6 @@ class Study:
             _add_metrics(result, experiment.name, generation.experiment_results[experiment.name].metrics)
         first = logits_seen.rows[0]
         result.values.update(answer_values(first, item))
-        if item.answer is not None:
-            result.values["answer.correct"] = float(generation.text.lstrip().startswith(item.answer.strip()))
         if writes and logits_seen.rows:
             steps = min(len(logits_seen.rows), len(generation.token_ids) + 1)
             sequence = list(item.token_ids) + list(generation.token_ids[: steps - 1])
@@ -305,9 +303,9 @@ def answer_values(logits: np.ndarray, item: StudyItem) -> dict[str, float]:
         return {}
     answer = item.answer_id
     logits = np.asarray(logits, dtype=np.float32).reshape(-1)
-    out = {"answer.prob": float(np.exp(log_softmax(logits)[answer])),
-           "answer.rank": float((logits > logits[answer]).sum()),
-           "answer.logit": float(logits[answer])}
+    rank = float((logits > logits[answer]).sum())
+    out = {"answer.prob": float(np.exp(log_softmax(logits)[answer])), "answer.rank": rank,
+           "answer.correct": float(rank == 0), "answer.logit": float(logits[answer])}
     if item.wrong_answer_id is not None:
         out["answer.logit_diff"] = float(logits[answer] - logits[item.wrong_answer_id])
     return out
