@@ -48,6 +48,9 @@ FINISHED, FAILED, KILLED = "FINISHED", "FAILED", "KILLED"
 # (traces, evaluations), when the experiment carries this tag with this value.
 EXPERIMENT_TAGS = {"mlflow.experimentKind": "custom_model_development"}
 
+# The UI's Source column: what made the run (the Hydra runner; the `ember` command sets its own name).
+SOURCE_TAGS = {"mlflow.source.name": "ember.run", "mlflow.source.type": "LOCAL"}
+
 # A server that stops answering is noticed in seconds (MLflow's defaults retry for ~4 minutes per
 # request); the records then go to the run's outbox. Set these variables to choose otherwise.
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "3")
@@ -523,6 +526,7 @@ class SweepSummary:
     run_id: str | None
     jobs: int
     failed_jobs: tuple[str, ...]
+    tracking_uri: str = ""
 
     @property
     def ok(self) -> bool:
@@ -565,7 +569,7 @@ def start_sweep(config: Any) -> str | None:
     tracker = Tracker(store, settings.experiment_name)
     overrides = [str(o) for o in OmegaConf.select(config, "hydra.overrides.task", default=[]) or []]
     launcher = str(OmegaConf.select(config, "hydra.launcher._target_", default="") or "")
-    tags = {**environment_tags(), "ember.sweep": "true", "ember.sweep_dir": str(sweep_dir),
+    tags = {**environment_tags(), **SOURCE_TAGS, "ember.sweep": "true", "ember.sweep_dir": str(sweep_dir),
             "ember.launcher": launcher.rsplit(".", 1)[-1]}
     run_id = tracker.start_run(_sweep_name(config), tags)
     tracker.log_params(run_id, {"hydra.overrides": " ".join(overrides), "hydra.launcher": launcher})
@@ -622,7 +626,8 @@ def finish_sweep(sweep_dir: str, *, interrupted: bool = False, error: str | None
     failed_jobs = _describe_jobs(folder, problems)
     if error:
         failed_jobs += (f"the sweep itself: {error}",)
-    _LAST_SWEEP = SweepSummary(record["run_id"] if record else None, len(statuses), failed_jobs)
+    _LAST_SWEEP = SweepSummary(record["run_id"] if record else None, len(statuses), failed_jobs,
+                               record["tracking_uri"] if record else "")
     return _LAST_SWEEP
 
 

@@ -21,6 +21,7 @@ from ember.runs.effect import LogitsRecorder, measure_effect, record_effect
 from ember.runs.job import JobInfo, threads_for
 from ember.runs.prepare import Prepared, prepare
 from ember.runs.records import Recorder, generation_metrics, generation_record, model_tags
+from ember.runs.summary import experiment_summary
 from ember.tracking import FAILED, FINISHED, KILLED
 
 # Exit statuses.
@@ -80,8 +81,9 @@ def execute(cfg: DictConfig) -> int:
         try:
             recorder.close(status)
             if recorder.last_run_id is not None:
+                waiting = recorder.tracker.outbox_of(recorder.last_run_id) if recorder.tracker else None
                 say(f"ember: {where}recorded as MLflow run {recorder.last_run_id} ({status}) in "
-                    f"{recorder.store_uri}")
+                    f"{recorder.store_uri}" + (f"; records waiting for it in {waiting}" if waiting else ""))
         except Exception as error:
             say(f"ember: {where}could not close the MLflow run as {status}: {describe_error(error)}")
             code = code or EXIT_FAILED
@@ -99,7 +101,7 @@ def _run_prepared(prepared: Prepared, job: JobInfo, recorder: Recorder, threads:
             "ember.config_digest": config_digest(prepared.plain),
             "ember.threads": str(threads), "ember.workers": str(job.workers),
             "ember.experiments": ",".join(e.name for e in prepared.experiments) or "none",
-            "mlflow.source.git.commit": environment_tags()["ember.git_commit"]}
+            "mlflow.source.git.commit": environment_tags()["ember.git_commit"], **tracking.SOURCE_TAGS}
     recorder.start(prepared.run_name, tags, flatten(prepared.plain))
     recorder.log_text(OmegaConf.to_yaml(OmegaConf.create(prepared.plain)), "config.yaml")
 
@@ -147,6 +149,7 @@ def _run_prepared(prepared: Prepared, job: JobInfo, recorder: Recorder, threads:
         for name, result in generation.experiment_results.items():
             if name != LogitsRecorder.name:
                 recorder.result(name, result)
+                say(f"ember: {where}{experiment_summary(name, result)}")
     if tracer is not None:
         recorder.log_json(tracer.to_json(), "trace.json")
 
@@ -190,7 +193,7 @@ def _record_invalid_job(cfg: DictConfig, job: JobInfo, error: str) -> None:
         except Exception:
             plain = {}
         recorder.start(f"invalid config: {' '.join(job.overrides)}",
-                       {**environment_tags(), "ember.error": error}, flatten(plain))
+                       {**environment_tags(), **tracking.SOURCE_TAGS, "ember.error": error}, flatten(plain))
         recorder.close(FAILED)
     except Exception as failure:  # MLflow unreachable: the job status file still tells the sweep
         say(f"ember: job #{job.number}: could not record the failure in MLflow: {describe_error(failure)}")
