@@ -138,10 +138,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("run", help="the Hydra front door: ember run [group=option key=value ...] (see ember.run)",
                    add_help=False)
 
-    runs = sub.add_parser("runs", help="look after recorded runs (ember runs repair)")
+    runs = sub.add_parser("runs", help="look after recorded runs (ember runs repair, ember runs upload)")
     actions = runs.add_subparsers(dest="runs_command", metavar="ACTION", required=True)
-    repair = actions.add_parser("repair", help="close as KILLED the RUNNING runs whose process died")
-    repair.add_argument("--mlflow-uri", default=None, help="MLflow tracking URI (default: as `ember run`)")
+    upload = actions.add_parser("upload", help="upload the records kept in outputs/mlflow-outbox while the "
+                                               "tracking server was away")
+    repair = actions.add_parser("repair", help="upload kept records (as upload), then close as KILLED the "
+                                               "RUNNING runs whose process died")
+    for action in (upload, repair):
+        action.add_argument("--mlflow-uri", default=None, help="tracking URI (default: as `ember run`)")
     return parser
 
 
@@ -181,7 +185,8 @@ def experiment_specs(texts: Sequence[str]) -> list[Any]:
 def mlflow_settings(args: argparse.Namespace) -> Any:
     from ember.runconfig import MlflowSettings
 
-    return MlflowSettings(args.mlflow_uri, args.mlflow_experiment, not args.no_mlflow)
+    return MlflowSettings(args.mlflow_uri, getattr(args, "mlflow_experiment", "ember"),
+                          not getattr(args, "no_mlflow", False))
 
 
 def load(args: argparse.Namespace, tracer: Any = None) -> Any:
@@ -244,7 +249,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     dumping = args.dump_layers or args.dump_logits
     name = "+".join(e.name for e in experiments) or ("dump" if dumping else "generate")
     options = dict(max_new_tokens=args.max_new_tokens, tracer=tracer, **_sampling_options(args))
-    with mlflow_run(mlflow_settings(args), f"{name} {model.source.name}", _model_tags(model)) as log:
+    with mlflow_run(mlflow_settings(args), f"{name} {model.source.name}", _model_tags(model),
+                    command="ember generate") as log:
         log.params({"prompt": args.prompt, "chat": args.chat, **options, "tracer": tracer is not None,
                     "experiments": " ".join(args.experiment), "dump_layers": args.dump_layers,
                     "dump_logits": args.dump_logits})
@@ -297,9 +303,12 @@ def _log_generation(log: Any, generation: Any) -> None:
                  ("decode.tokens_per_second", t.decode_tokens_per_second, 0)])
     log.json({"text": generation.text, "prompt_token_ids": generation.prompt_token_ids,
               "token_ids": generation.token_ids, "stop_reason": generation.stop_reason}, "generation.json")
-    if log.enabled:
-        for name, result in generation.experiment_results.items():
+    from ember.runs.summary import experiment_summary
+
+    for name, result in generation.experiment_results.items():
+        if log.enabled:
             tracking.log_experiment_result(log.tracker, log.run_id, name, result)
+        say(experiment_summary(name, result))
 
 
 def _extract(args: argparse.Namespace, log: Any) -> tuple[Any, Any, Any, list[int]]:
@@ -413,20 +422,29 @@ def cmd_benchmark(args: argparse.Namespace) -> int:
 
 
 def cmd_runs(args: argparse.Namespace) -> int:
-    """`ember runs repair`: every RUNNING run of the store whose process is gone is closed as KILLED."""
+    """`ember runs upload`: the records kept in outputs/mlflow-outbox while the store was away go to it;
+    `ember runs repair`: that, then every RUNNING run whose process is gone is closed as KILLED."""
     from ember import tracking
-    from ember.runconfig import MlflowSettings
 
-    store = tracking.resolve_store(MlflowSettings(args.mlflow_uri, "ember", True))
+    store = tracking.resolve_store(mlflow_settings(args))
     if store.tracking_uri.startswith("sqlite:///") and not Path(store.tracking_uri[10:]).exists():
-        say(f"no MLflow store at {store.tracking_uri[10:]}: nothing to repair")
+        say(f"no MLflow store at {store.tracking_uri[10:]}: nothing to {args.runs_command}")
         return EXIT_OK
     from mlflow.tracking import MlflowClient
 
-    repaired = tracking.repair_store(MlflowClient(store.tracking_uri), store.tracking_uri)
+    client = MlflowClient(store.tracking_uri)
+    uploaded = tracking.upload_outboxes(client, store.tracking_uri)
+    left = tracking.outbox.pending(tracking.outbox.default_root(), store.tracking_uri)
+    if left:
+        say(f"{len(left)} outbox(es) for {store.tracking_uri} could not be uploaded yet: {left[0].parent}")
+    elif not uploaded and args.runs_command == "upload":
+        say(f"no records waiting for {store.tracking_uri}")
+    if args.runs_command == "upload":
+        return EXIT_OK if not left else EXIT_FAILED
+    repaired = tracking.repair_store(client, store.tracking_uri)
     say(f"{len(repaired)} run(s) of dead processes closed as KILLED in {store.tracking_uri}"
         if repaired else f"no run of a dead process in {store.tracking_uri}")
-    return EXIT_OK
+    return EXIT_OK if not left else EXIT_FAILED
 
 
 COMMANDS = {"generate": cmd_generate, "extract": cmd_extract, "probe": cmd_probe,
@@ -503,6 +521,7 @@ def check_model(args: argparse.Namespace) -> None:
 
 
 MODEL_COMMANDS = ("generate", "extract", "probe", "interactive", "chat", "demo", "benchmark")
+RECORDING_COMMANDS = ("generate", "extract", "probe", "benchmark", "runs")
 
 
 # ------------------------------------------------------------------------------------ entry point
@@ -545,6 +564,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_options(args)
         if args.command in MODEL_COMMANDS:
             check_model(args)
+        if args.command in RECORDING_COMMANDS and not getattr(args, "no_mlflow", False):
+            from ember.tracking import check_reachable, resolve_store
+
+            check_reachable(resolve_store(mlflow_settings(args)).tracking_uri)
         from ember import tracking
 
         tracking.quiet_mlflow_logging()

@@ -77,7 +77,8 @@ def _main() -> int:
     _EXIT_CODES.clear()
     tracking.quiet_mlflow_logging()
     try:
-        preflight(sys.argv[1:], CONF_DIR, "config")
+        for uri in preflight(sys.argv[1:], CONF_DIR, "config"):
+            tracking.check_reachable(uri or os.environ.get("MLFLOW_TRACKING_URI") or "")
     except EmberError as error:
         say(f"ember: {error}")
         return EXIT_USAGE
@@ -95,10 +96,15 @@ def _main() -> int:
         say(f"ember: {describe_hydra_error(error, sys.argv[1:])}")
         _close_open_sweep(interrupted=False)
         return EXIT_USAGE
+    except EmberError as error:  # e.g. the sweep's store, met when its parent run is made
+        say(f"ember: {error}")
+        _close_open_sweep(interrupted=False)
+        return EXIT_USAGE
     except KeyboardInterrupt:
         sweep = _close_open_sweep(interrupted=True)
         if sweep is not None:
-            say("ember: sweep interrupted; its parent run is recorded as KILLED")
+            say("ember: sweep interrupted; its parent run is recorded as KILLED"
+                + (f": MLflow run {sweep.run_id} in {sweep.tracking_uri}" if sweep.run_id else ""))
         return EXIT_INTERRUPTED
     except SystemExit as exit_:
         # Hydra's own errors (bad override syntax, unknown group, ...) and launcher crashes (a joblib
@@ -121,12 +127,13 @@ def _main() -> int:
 
 def _report_sweep(sweep: tracking.SweepSummary, started: float) -> int:
     jobs = sweep.jobs or len(_EXIT_CODES)
+    where = (f"; parent MLflow run {sweep.run_id} in {sweep.tracking_uri}" if sweep.run_id else "")
     if not sweep.ok:
-        say(f"ember: sweep finished with {len(sweep.failed_jobs)} failed job(s) of {jobs}:")
+        say(f"ember: sweep finished with {len(sweep.failed_jobs)} failed job(s) of {jobs}{where}:")
         for line in sweep.failed_jobs:
             say(f"  {line}")
         return EXIT_FAILED
-    say(f"ember: sweep of {jobs} job(s) finished in {time.perf_counter() - started:.1f} s")
+    say(f"ember: sweep of {jobs} job(s) finished in {time.perf_counter() - started:.1f} s{where}")
     return EXIT_OK
 
 

@@ -60,11 +60,12 @@ def read_command_line(argv: Sequence[str]) -> CommandLine:
     return CommandLine(tuple(args.overrides), bool(args.multirun), composes)
 
 
-def preflight(argv: Sequence[str], config_dir: str, config_name: str) -> None:
-    """Every Hydra-level mistake on this command line as a ConfigError, before Hydra runs."""
+def preflight(argv: Sequence[str], config_dir: str, config_name: str) -> set[str | None]:
+    """Every Hydra-level mistake on this command line as a ConfigError, before Hydra runs. Returns the
+    tracking URIs (None: the default) the jobs will record to, for a reachability check."""
     line = read_command_line(argv)
     if not line.composes:
-        return
+        return set()
     parsed = parse_overrides(line.overrides)
     sweeps = [o for o in parsed if o.is_sweep_override()]
     if sweeps and not line.multirun:
@@ -73,8 +74,10 @@ def preflight(argv: Sequence[str], config_dir: str, config_name: str) -> None:
             f"{first.input_line} gives several values: add -m to run one job per value (a sweep), "
             f"write {first.get_key_element()}=[...] for a list, or {QUOTING}"
         )
+    stores: set[str | None] = set()
     for overrides in _compositions(parsed):
-        compose_check(overrides, config_dir, config_name)
+        stores |= compose_check(overrides, config_dir, config_name)
+    return stores
 
 
 def parse_overrides(overrides: Iterable[str]) -> list[Any]:
@@ -128,8 +131,9 @@ def _compositions(parsed: Sequence[Any]) -> list[list[str]]:
     return combos
 
 
-def compose_check(overrides: list[str], config_dir: str, config_name: str) -> None:
-    """Compose the config (with Hydra's own settings) as Hydra will; its errors as a ConfigError."""
+def compose_check(overrides: list[str], config_dir: str, config_name: str) -> set[str | None]:
+    """Compose the config (with Hydra's own settings) as Hydra will; its errors as a ConfigError.
+    Returns the tracking URI the job records to ({None} for the default, {} when it records nothing)."""
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf import OmegaConf
@@ -141,9 +145,14 @@ def compose_check(overrides: list[str], config_dir: str, config_name: str) -> No
             with_hydra = OmegaConf.to_container(cfg, resolve=False)
             assert isinstance(with_hydra, dict)
             with_hydra.pop("hydra", None)
-            OmegaConf.to_container(OmegaConf.create(with_hydra), resolve=True)  # interpolations
+            plain = OmegaConf.to_container(OmegaConf.create(with_hydra), resolve=True)  # interpolations
     except (HydraException, OmegaConfBaseException) as error:
         raise ConfigError(describe_hydra_error(error, overrides)) from None
+    mlflow = plain.get("mlflow") if isinstance(plain, dict) else None
+    if not isinstance(mlflow, dict) or mlflow.get("enabled") is not True:
+        return set()
+    uri = mlflow.get("tracking_uri")
+    return {uri if isinstance(uri, str) and uri else None}
 
 
 # ------------------------------------------------------------------------------------ messages
