@@ -1,9 +1,6 @@
-"""llama.cpp control-vector files: written and read by ember, llama.cpp's loader rules, and a file made
-by llama.cpp's cvector-generator (tests/data/control_vectors/README.md) loads."""
+"""llama.cpp control-vector files: written and read by ember, with llama.cpp's loader rules."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import gguf
 import numpy as np
@@ -12,8 +9,6 @@ import pytest
 from ember.control_vectors import llama_cpp_buffer, read_control_vector, write_control_vector
 from ember.errors import ConfigError, GGUFError
 from ember.experiments.steering import Steering, load_directions
-
-FIXTURE = Path(__file__).parent / "data" / "control_vectors" / "smollm2_sentiment_llamacpp.gguf"
 
 
 def test_round_trip_and_metadata(tmp_path):
@@ -69,13 +64,3 @@ def test_steering_reads_files_and_npy(tmp_path):
         Steering(vector=str(tmp_path / "one.npy"))
     with pytest.raises(ConfigError, match="give `layers`"):
         Steering()
-
-
-def test_a_cvector_generator_file_loads():
-    directions = read_control_vector(FIXTURE)
-    assert sorted(directions) == list(range(1, 30))               # SmolLM2: 30 blocks, block 0 never
-    for values in directions.values():
-        assert values.shape == (576,) and values.dtype == np.float32
-        assert np.linalg.norm(values) == pytest.approx(1.0, abs=1e-4)  # the generator's "mean" normalises
-    reader = gguf.GGUFReader(str(FIXTURE))
-    assert bytes(reader.fields["controlvector.model_hint"].parts[-1]).decode() == "llama"
