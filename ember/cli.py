@@ -249,7 +249,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     dumping = args.dump_layers or args.dump_logits
     name = "+".join(e.name for e in experiments) or ("dump" if dumping else "generate")
     options = dict(max_new_tokens=args.max_new_tokens, tracer=tracer, **_sampling_options(args))
-    with mlflow_run(mlflow_settings(args), f"{name} {model.source.name}", _model_tags(model)) as log:
+    with mlflow_run(mlflow_settings(args), f"{name} {model.source.name}", _model_tags(model),
+                    command="ember generate") as log:
         log.params({"prompt": args.prompt, "chat": args.chat, **options, "tracer": tracer is not None,
                     "experiments": " ".join(args.experiment), "dump_layers": args.dump_layers,
                     "dump_logits": args.dump_logits})
@@ -302,9 +303,12 @@ def _log_generation(log: Any, generation: Any) -> None:
                  ("decode.tokens_per_second", t.decode_tokens_per_second, 0)])
     log.json({"text": generation.text, "prompt_token_ids": generation.prompt_token_ids,
               "token_ids": generation.token_ids, "stop_reason": generation.stop_reason}, "generation.json")
-    if log.enabled:
-        for name, result in generation.experiment_results.items():
+    from ember.runs.summary import experiment_summary
+
+    for name, result in generation.experiment_results.items():
+        if log.enabled:
             tracking.log_experiment_result(log.tracker, log.run_id, name, result)
+        say(experiment_summary(name, result))
 
 
 def _extract(args: argparse.Namespace, log: Any) -> tuple[Any, Any, Any, list[int]]:

@@ -119,7 +119,8 @@ def _main() -> int:
     except KeyboardInterrupt:
         sweep = _close_open_sweep(interrupted=True)
         if sweep is not None:
-            say("ember: sweep interrupted; its parent run is recorded as KILLED")
+            say("ember: sweep interrupted; its parent run is recorded as KILLED"
+                + (f": MLflow run {sweep.run_id} in {sweep.tracking_uri}" if sweep.run_id else ""))
         return EXIT_INTERRUPTED
     except SystemExit as exit_:
         # Hydra's own errors (bad override syntax, unknown group, ...) and launcher crashes (a joblib
@@ -146,12 +147,13 @@ def _report_sweep(sweep: tracking.SweepSummary, started: float) -> int:
         say(f"ember: {line}")
     if sweep.best:
         say(f"ember: best trial: {sweep.best}")
+    where = (f"; parent MLflow run {sweep.run_id} in {sweep.tracking_uri}" if sweep.run_id else "")
     if not sweep.ok:
-        say(f"ember: sweep finished with {len(sweep.failed_jobs)} failed job(s) of {jobs}:")
+        say(f"ember: sweep finished with {len(sweep.failed_jobs)} failed job(s) of {jobs}{where}:")
         for line in sweep.failed_jobs:
             say(f"  {line}")
         return EXIT_FAILED
-    say(f"ember: sweep of {jobs} job(s) finished in {time.perf_counter() - started:.1f} s")
+    say(f"ember: sweep of {jobs} job(s) finished in {time.perf_counter() - started:.1f} s{where}")
     return EXIT_OK
 
 

@@ -50,6 +50,9 @@ DIED = "DIED"
 # (traces, evaluations), when the experiment carries this tag with this value.
 EXPERIMENT_TAGS = {"mlflow.experimentKind": "custom_model_development"}
 
+# The UI's Source column: what made the run (the Hydra runner; the `ember` command sets its own name).
+SOURCE_TAGS = {"mlflow.source.name": "ember.run", "mlflow.source.type": "LOCAL"}
+
 # A server that stops answering is noticed in seconds (MLflow's defaults retry for ~4 minutes per
 # request); the records then go to the run's outbox. Set these variables to choose otherwise.
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "3")
@@ -192,6 +195,7 @@ class Tracker:
         self.client = MlflowClient(tracking_uri=store.tracking_uri)
         self.outbox_root = outbox_root or outbox.default_root()
         self.outboxes: dict[str, outbox.Outbox] = {}
+        self._tables: dict[str, list[dict[str, str]]] = {}  # run -> its table artifacts (loggedArtifacts)
         self.experiment_id = self._experiment(experiment_name)
         open_store(self.client, store.tracking_uri, self.outbox_root)
 
@@ -205,6 +209,7 @@ class Tracker:
         tracker.client = MlflowClient(tracking_uri=store.tracking_uri)
         tracker.outbox_root = outbox_root or outbox.default_root()
         tracker.outboxes = {}
+        tracker._tables = {}
         return tracker
 
     def _experiment(self, name: str) -> str:
@@ -343,6 +348,30 @@ class Tracker:
               f"on this store (or: ember runs upload)", file=sys.stderr, flush=True)
         return kept
 
+    def log_table(self, run_id: str, columns: Mapping[str, Sequence[Any]], artifact_file: str) -> None:
+        """Columns (name -> one value per row) as MLflow's table artifact: the JSON `MlflowClient.log_table`
+        writes (`{"columns": [...], "data": [[...], ...]}`), named in the run's `mlflow.loggedArtifacts`
+        tag, so the UI shows it as a table. Written here, through the one write path (outbox included),
+        without pandas."""
+        names = list(columns)
+        rows = zip(*(columns[n] for n in names), strict=True)
+        table = {"columns": names, "data": [[_json_cell(v) for v in row] for row in rows]}
+        self._artifact(run_id, artifact_file, lambda path: path.write_text(
+            json.dumps(table, default=_json_default), encoding="utf-8"))
+        tables = self._tables.setdefault(run_id, [])
+        if {"path": artifact_file, "type": "table"} not in tables:
+            tables.append({"path": artifact_file, "type": "table"})
+        self.set_tags(run_id, {"mlflow.loggedArtifacts": json.dumps(tables)})
+
+    def log_dataset(self, run_id: str, name: str, digest: str, source_type: str, source: Mapping[str, Any],
+                    schema: Mapping[str, Any] | None = None, rows: int | None = None,
+                    context: str = "eval") -> None:
+        """A dataset input of the run (the UI's Datasets column shows name and digest)."""
+        entry = [name, digest, source_type, json.dumps(source),
+                 json.dumps(schema) if schema is not None else None,
+                 json.dumps({"num_rows": rows}) if rows is not None else None, context]
+        self._write(run_id, {"op": "log_inputs", "datasets": [entry]})
+
 
 _REPAIRED_STORES: set[str] = set()
 
@@ -379,6 +408,13 @@ def repair_store(client: Any, tracking_uri: str, *, quiet: bool = False) -> list
             print(f"ember: MLflow run {run.run_id} ({run.run_name}) was still RUNNING but {run.reason}; "
                   f"closed as KILLED", file=sys.stderr, flush=True)
     return repaired
+
+
+def _json_cell(value: Any) -> Any:
+    """A table cell as strict JSON: NaN and infinities become null (the UI cannot read NaN)."""
+    if isinstance(value, float | np.floating) and not math.isfinite(float(value)):
+        return None
+    return value
 
 
 def _json_default(value: Any) -> Any:
@@ -616,6 +652,7 @@ class SweepSummary:
     failed_jobs: tuple[str, ...]
     retried_jobs: tuple[str, ...] = ()
     best: str | None = None  # a search's best trial
+    tracking_uri: str = ""
 
     @property
     def ok(self) -> bool:
@@ -660,7 +697,7 @@ def start_sweep(config: Any, size: int | None = None) -> str | None:
     tracker = Tracker(store, settings.experiment_name)  # a refusal stops the sweep before any job
     overrides = [str(o) for o in OmegaConf.select(config, "hydra.overrides.task", default=[]) or []]
     launcher = str(OmegaConf.select(config, "hydra.launcher._target_", default="") or "")
-    tags = {**environment_tags(), "ember.sweep": "true", "ember.sweep_dir": str(sweep_dir),
+    tags = {**environment_tags(), **SOURCE_TAGS, "ember.sweep": "true", "ember.sweep_dir": str(sweep_dir),
             "ember.launcher": launcher.rsplit(".", 1)[-1]}
     run_id = tracker.start_run(_sweep_name(config), tags)
     tracker.log_params(run_id, {"hydra.overrides": " ".join(overrides), "hydra.launcher": launcher})
@@ -729,6 +766,8 @@ def finish_sweep(sweep_dir: str, *, interrupted: bool = False, error: str | None
         if record.get("search") and attempts is not None:
             best = _tag_best_trial(tracker, record, attempts, overrides)
         failed_jobs = _describe_jobs(problems, overrides)
+        if attempts is not None:
+            _summarize(tracker.client, record)
         child_runs = "unknown" if attempts is None else str(sum(len(runs) for runs in attempts.values()))
         tags = {"ember.sweep.jobs": str(len(jobs)), "ember.sweep.child_runs": child_runs,
                 "ember.sweep.failed_jobs": "; ".join(failed_jobs) or "none",
@@ -744,8 +783,22 @@ def finish_sweep(sweep_dir: str, *, interrupted: bool = False, error: str | None
     if error:
         failed_jobs += (f"the sweep itself: {error}",)
     _LAST_SWEEP = SweepSummary(record["run_id"] if record else None, len(jobs), failed_jobs,
-                               _describe_jobs(retried, overrides), best)
+                               _describe_jobs(retried, overrides), best,
+                               record["tracking_uri"] if record else "")
     return _LAST_SWEEP
+
+
+def _summarize(client: Any, record: Mapping[str, Any]) -> None:
+    """The parent's summary of its children (ember.studies.summary); a failure there is noted, never
+    in the way of closing the sweep."""
+    try:
+        from ember.studies.summary import summarize_sweep
+
+        summarize_sweep(client, record["experiment_id"], record["run_id"])
+    except Exception as error:
+        log.warning("ember: could not summarise the sweep in its parent run: %s", error)
+        detail = _text(f"{type(error).__name__}: {error}", MAX_TAG_LENGTH)
+        client.set_tag(record["run_id"], "ember.sweep.summary_error", detail)
 
 
 Attempts = Mapping[str, list[tuple[Any, str]]]  # job number -> its child runs and their statuses

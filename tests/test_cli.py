@@ -160,11 +160,18 @@ def test_generate_with_experiment_and_trace(fixture_model, tmp_path: Path,
     code = cli.main(["generate", "The capital of France is", "--max-new-tokens", "3", "--experiment",
                      "activation_stats", "--trace", str(trace), "--trace-layers", *_mlflow(tmp_path)])
     assert code == cli.EXIT_OK
-    assert capsys.readouterr().out.startswith("The capital of France is")
+    captured = capsys.readouterr()
+    assert captured.out.startswith("The capital of France is")
     names = {e["name"] for e in json.loads(trace.read_text())["traceEvents"]}
     assert {"prefill", "decode", "layer 0", "generate"} <= names
     client, runs = _runs(tmp_path)
     assert len(runs) == 1 and runs[0].info.status == "FINISHED"
+    lines = captured.err.strip().splitlines()
+    assert lines[-1] == (f"ember: recorded as MLflow run {runs[0].info.run_id} (FINISHED) in "
+                         f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert any(line.startswith("ember: activation_stats: residual RMS") for line in lines)
+    assert runs[0].data.tags["mlflow.source.name"] == "ember generate"
+    assert client.get_experiment_by_name("ember").tags["mlflow.experimentKind"] == "custom_model_development"
     artifacts = {f.path for f in client.list_artifacts(runs[0].info.run_id)}
     assert {"generation.json", "trace", "experiments"} <= artifacts
     assert "activation_stats.prefill/after_layer/rms" in runs[0].data.metrics

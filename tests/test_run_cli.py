@@ -162,10 +162,14 @@ def test_zero_layer_run_records_params_tags_metrics_artifacts(workdir):
     assert "layer: 7" in artifact(workdir, run, "config.yaml").read_text()
 
 
-def test_activation_stats_logs_per_layer_series_arrays_and_a_figure(workdir):
+def test_activation_stats_logs_per_layer_series_arrays_and_a_figure(workdir, capsys):
     assert run_main("experiment=activation_stats", "prompt=Hello there", "max_new_tokens=2",
                     "mlflow.experiment_name=t_stats") == 0
     run = only_run(workdir, "t_stats")
+    lines = capsys.readouterr().err.splitlines()
+    summary = [line for line in lines if line.startswith("ember: activation_stats: ")]
+    assert len(summary) == 1 and "residual RMS" in summary[0] and "after layer 29 (prefill)" in summary[0]
+    assert summary[0].endswith("no NaN or inf (records: experiments/activation_stats/)")
     assert run.info.status == "FINISHED" and run.data.params["prompt"] == "Hello there"
     rms = metric_steps(workdir, run, "activation_stats.prefill/after_layer/rms")
     assert sorted(rms) == list(range(30)) and all(v > 0 for v in rms.values())
@@ -182,7 +186,7 @@ def test_activation_stats_logs_per_layer_series_arrays_and_a_figure(workdir):
 
 def test_custom_experiment_from_the_experiments_folder(workdir, monkeypatch):
     monkeypatch.syspath_prepend(str(REPO))
-    assert run_main("experiment=steering", "max_new_tokens=3", "mlflow.experiment_name=t_steer") == 0
+    assert run_main("experiment=custom_steering", "max_new_tokens=3", "mlflow.experiment_name=t_steer") == 0
     run = only_run(workdir, "t_steer")
     assert run.info.status == "FINISHED"
     assert run.info.run_name == "steering_vector[layer=6] smollm2-135m"
@@ -226,6 +230,10 @@ def test_failing_experiment_gives_a_failed_run_with_its_record(workdir, capsys):
     assert "experiment 'fail_at_decode' failed in after_mlp (phase=decode, layer=3): planned failure" in err
     run = only_run(workdir, "t_fail")
     assert run.info.status == "FAILED"
+    assert err.strip().splitlines()[-1] == (f"ember: recorded as MLflow run {run.info.run_id} (FAILED) in "
+                                            f"sqlite:///{workdir.resolve() / 'outputs' / 'mlflow.db'}")
+    summary = "ember: fail_at_decode: calls=3; table calls (1 rows) (records: experiments/fail_at_decode/)"
+    assert summary in err
     record = json.loads(artifact(workdir, run, "failure.json").read_text())
     assert record["experiment"] == "fail_at_decode" and record["hook"] == "after_mlp"
     assert record["phase"] == "decode" and record["layer"] == 3
@@ -427,6 +435,13 @@ def test_sweep_is_one_parent_run_and_reuses_the_loaded_model(workdir, capsys):
                         "mlflow.experiment_name=t_sweep" for i in range(4)]
     parent, children = sweep_runs(workdir, "t_sweep")
     assert parent.info.status == "FINISHED" and len(children) == 4
+    store = f"sqlite:///{workdir.resolve() / 'outputs' / 'mlflow.db'}"
+    assert err.strip().splitlines()[-1].endswith(f"; parent MLflow run {parent.info.run_id} in {store}")
+    for child in children:
+        assert f"recorded as MLflow run {child.info.run_id} (FINISHED) in {store}" in err
+    assert {r.data.tags["mlflow.source.name"] for r in [parent, *children]} == {"ember.run"}
+    experiment = client(workdir).get_experiment_by_name("t_sweep")
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
     assert [c.data.params["experiments.0.layer"] for c in children] == ["0", "1", "2", "3"]
     assert all(c.info.status == "FINISHED" for c in children)
     assert [c.data.tags["ember.model_cache"] for c in children] == ["miss", "hit", "hit", "hit"]

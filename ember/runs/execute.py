@@ -28,6 +28,7 @@ from ember.runs.job import JobInfo, threads_for
 from ember.runs.objective import Objective, TrialFailed, parse_objective, sweeper_direction
 from ember.runs.prepare import Prepared, prepare
 from ember.runs.records import Recorder, generation_metrics, generation_record, model_tags
+from ember.runs.summary import experiment_summary
 from ember.tracking import FAILED, FINISHED, KILLED
 
 # Exit statuses.
@@ -142,8 +143,9 @@ def _execute(cfg: DictConfig, job: JobInfo) -> JobOutcome:
             recorder.log_metrics([("job.seconds", time.perf_counter() - started, 0)])
             recorder.close(status)
             if recorder.last_run_id is not None:
+                waiting = recorder.tracker.outbox_of(recorder.last_run_id) if recorder.tracker else None
                 say(f"ember: {where}recorded as MLflow run {recorder.last_run_id} ({status}) in "
-                    f"{recorder.store_uri}")
+                    f"{recorder.store_uri}" + (f"; records waiting for it in {waiting}" if waiting else ""))
         except Exception as error:
             say(f"ember: {where}could not close the MLflow run as {status}: {describe_error(error)}")
             code = code or EXIT_FAILED
@@ -174,7 +176,7 @@ def _run_prepared(prepared: Prepared, job: JobInfo, recorder: Recorder, threads:
             "ember.config_digest": config_digest(prepared.plain),
             "ember.threads": str(threads), "ember.workers": str(job.workers), **job.place.tags(),
             "ember.experiments": ",".join(e.name for e in prepared.experiments) or "none",
-            "mlflow.source.git.commit": environment_tags()["ember.git_commit"]}
+            "mlflow.source.git.commit": environment_tags()["ember.git_commit"], **tracking.SOURCE_TAGS}
     recorder.start(prepared.run_name, tags, flatten(prepared.plain))
     recorder.log_text(OmegaConf.to_yaml(OmegaConf.create(prepared.plain)), "config.yaml")
 
@@ -183,6 +185,8 @@ def _run_prepared(prepared: Prepared, job: JobInfo, recorder: Recorder, threads:
                        "model.context_length": str(model.context_length)})
     recorder.log_metrics([("model.load_seconds", 0.0 if cache_hit else model.load_seconds, 0),
                           ("model.first_load_seconds", model.load_seconds, 0)])
+    if prepared.study is not None:
+        return _run_study(prepared, model, recorder, job, where)
 
     recorder_experiment = LogitsRecorder() if prepared.effect_wanted else None
     experiments = prepared.experiments + ([recorder_experiment] if recorder_experiment else [])
@@ -222,6 +226,7 @@ def _run_prepared(prepared: Prepared, job: JobInfo, recorder: Recorder, threads:
         for name, result in generation.experiment_results.items():
             if name != LogitsRecorder.name:
                 recorder.result(name, result)
+                say(f"ember: {where}{experiment_summary(name, result)}")
     if tracer is not None:
         recorder.log_json(tracer.to_json(), "trace.json")
 
@@ -264,6 +269,25 @@ def _on_this_node(error: EmberError, job: JobInfo) -> str:
     return str(error)
 
 
+def _run_study(prepared: Prepared, model: object, recorder: Recorder, job: JobInfo,
+               where: str) -> tuple[int, str]:
+    """A prompt set item by item (ember.runs.study); a failed experiment fails the run after the
+    items done so far are recorded."""
+    from ember.runs.study import Study
+
+    outcome = Study(prepared, model, recorder, say).run()
+    for line in outcome.summary:
+        say(f"ember: {where}{line}" if line is outcome.summary[0] else line)
+    if outcome.failure is not None:
+        say(f"ember: {where}{outcome.failure} (after {outcome.items_done} of "
+            f"{len(prepared.study.items)} items)")
+        recorder.set_tags(tracking.failure_tags(tracking.failure_record(outcome.failure, None)))
+        return EXIT_FAILED, str(outcome.failure)
+    if recorder.run_id is not None and recorder.tracker is not None:
+        say(f"ember: recorded as MLflow run {recorder.run_id} in {recorder.tracker.store.tracking_uri}")
+    return EXIT_OK, ""
+
+
 def _record_invalid_job(cfg: DictConfig, job: JobInfo, error: str) -> None:
     """In a sweep, a job that could not start still leaves a FAILED child run saying why."""
     if not job.multirun:
@@ -275,7 +299,7 @@ def _record_invalid_job(cfg: DictConfig, job: JobInfo, error: str) -> None:
         except Exception:
             plain = {}
         recorder.start(f"invalid config: {' '.join(job.overrides)}",
-                       {**environment_tags(), "ember.error": error}, flatten(plain))
+                       {**environment_tags(), **tracking.SOURCE_TAGS, "ember.error": error}, flatten(plain))
         recorder.close(FAILED)
     except Exception as failure:  # MLflow unreachable: the job status file still tells the sweep
         say(f"ember: job #{job.number}: could not record the failure in MLflow: {describe_error(failure)}")
