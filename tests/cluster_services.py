@@ -122,7 +122,8 @@ def postgres(databases: tuple[str, ...] = ("mlflow", "mlflow_auth")) -> Iterator
         shutil.chown(root, "postgres", "postgres")
         as_postgres = ["runuser", "-u", "postgres", "--"]
     root.chmod(0o700)
-    log = Path(tempfile.mkdtemp(prefix="ember-pg-log-")) / "postgres.log"
+    log_dir = Path(tempfile.mkdtemp(prefix="ember-pg-log-"))
+    log = log_dir / "postgres.log"
     superuser_password, password = secrets.token_urlsafe(16), secrets.token_urlsafe(16)
     pwfile = root / "pw"
     pwfile.write_text(superuser_password)
@@ -134,6 +135,7 @@ def postgres(databases: tuple[str, ...] = ("mlflow", "mlflow_auth")) -> Iterator
     pwfile.unlink()
     if init.returncode != 0:
         shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(log_dir, ignore_errors=True)
         raise ServiceError(f"initdb failed: {init.stderr[-2000:]}")
     port = free_port(port_range("POSTGRES", "5433-5439"))
     server = _start([*as_postgres, str(bin_dir / "postgres"), "-D", str(root / "data"), "-p", str(port),
@@ -154,6 +156,7 @@ def postgres(databases: tuple[str, ...] = ("mlflow", "mlflow_auth")) -> Iterator
     finally:
         _stop(server, signal.SIGINT)  # fast shutdown
         shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(log_dir, ignore_errors=True)
 
 
 # ------------------------------------------------------------------------------------ MLflow
