@@ -269,7 +269,7 @@ def test_submitit_local_sweep_of_4_jobs(tmp_path, server, admin, smollm2_path):
 def test_optuna_search_of_6_trials_on_ray_tags_the_best_on_the_parent(
         tmp_path, server, ray_head, admin, smollm2_path):
     done = ember_run(tmp_path, "-m", "+search=steering_flip", "hydra/launcher=ray",
-                     "hydra.sweeper.n_trials=6", "hydra.sweeper.n_jobs=2", "max_new_tokens=2",
+                     "hydra.sweeper.n_trials=6", "hydra.sweeper.n_jobs=2", "data.limit=3",
                      f"mlflow.tracking_uri={server.url}", "mlflow.experiment_name=t_optuna",
                      env={**ray_head.client_env(), **server.credentials()})
     assert done.returncode == 0, done.stderr[-4000:]
@@ -277,9 +277,11 @@ def test_optuna_search_of_6_trials_on_ray_tags_the_best_on_the_parent(
     assert len(children) == 6 and all(c.info.status == "FINISHED" for c in children)
     assert parent.info.status == "FINISHED"
     scales = [float(c.data.params["experiments.0.scale"]) for c in children]
-    assert len(set(scales)) == 6 and all(0.0 <= s <= 4.0 for s in scales)
+    assert len(set(scales)) == 6 and all(0.0 <= s <= 16.0 for s in scales)
     for child, scale in zip(children, scales, strict=True):
-        changed = child.data.metrics["effect.answer_changed"]
+        tags = child.data.tags
+        assert tags["ember.study.data"] == "capitals" and tags["ember.study.items"] == "3"
+        changed = child.data.metrics["effect.answer_changed"]  # the share of the 3 answers that changed
         expected = scale if changed >= 0.8 else scale + 10.0 * (1.0 + 0.8 - changed)
         assert child.data.metrics["objective"] == pytest.approx(expected)
     best = min(children, key=lambda c: c.data.metrics["objective"])
