@@ -27,7 +27,7 @@ LAYER_HOOKS = ("before_layer", "after_attention", "after_mlp", "after_layer")
 @pytest.fixture(scope="module")
 def qwen3(tmp_path_factory: pytest.TempPathFactory) -> Any:
     path = write_gguf(tiny_qwen3(), tmp_path_factory.mktemp("qwen3") / "tiny-qwen3.gguf")
-    return ember.load_model(path, weight_cache=False)
+    return ember.load_model(path)
 
 
 class Capture(Experiment):
