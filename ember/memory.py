@@ -9,6 +9,7 @@ NumPy, numba/LLVM, the tokenizer). `check_memory` refuses a load that cannot fit
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,7 +52,7 @@ class MemoryEstimate:
 
 
 def _gib(size: float) -> str:
-    return f"{size / GIB:.1f} GiB" if size >= GIB / 10 else f"{size / (1 << 20):.0f} MiB"
+    return f"{size / GIB:.1f} GiB" if size >= GIB else f"{size / (1 << 20):.0f} MiB"
 
 
 def kv_cache_bytes(specs: Sequence[tuple[int, int, int]], context_length: int) -> int:
@@ -98,14 +99,35 @@ def estimate_memory(gguf: GGUFFile, config: object, cache_specs: Sequence[tuple[
     )
 
 
+LIMIT_ENV = "EMBER_MEMORY_LIMIT"  # e.g. "8G": plan with at most this much (a machine shared with others)
+
+
+def parse_size(text: str) -> int:
+    """Bytes from "8G", "512M", "1.5GiB", "4000000000"; ValueError otherwise."""
+    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    cleaned = text.strip().upper().removesuffix("IB").removesuffix("B")
+    number, unit = (cleaned[:-1], cleaned[-1]) if cleaned[-1:] in units and cleaned[-1:] else (cleaned, "")
+    value = float(number) * units[unit]
+    if value <= 0:
+        raise ValueError(text)
+    return int(value)
+
+
 def available_memory() -> int:
-    """Bytes this process can still get: the system's available memory, or less under a cgroup limit."""
+    """Bytes this process can still get: the system's available memory, or less under a cgroup limit or
+    `$EMBER_MEMORY_LIMIT`."""
     import psutil
 
     available = int(psutil.virtual_memory().available)
     limit, used = _cgroup_file("memory.max"), _cgroup_file("memory.current")
     if limit is not None and used is not None:
         available = min(available, max(0, limit - used))
+    cap = os.environ.get(LIMIT_ENV)
+    if cap:
+        try:
+            available = min(available, parse_size(cap))
+        except ValueError:
+            raise EmberError(f"{LIMIT_ENV}={cap!r} is not a size (examples: 8G, 512M, 4000000000)") from None
     return available
 
 
@@ -117,9 +139,13 @@ def _cgroup_file(name: str) -> int | None:
     return int(text) if text.isdigit() else None
 
 
-def check_memory(estimate: MemoryEstimate, model_name: str, weights: str,
-                 available: int | None = None) -> None:
-    """Raise MemoryLimitError, with the figures and the fix, when `estimate` exceeds what is available."""
+def check_memory(estimate: MemoryEstimate, model_name: str, weights: str, available: int | None = None, *,
+                 context_option: str = "context_length=",
+                 weights_option: str = "weights='quantized'") -> None:
+    """Raise MemoryLimitError, with the figures and the fix, when `estimate` exceeds what is available.
+
+    `context_option` / `weights_option` spell the fixes as the caller's users write them (the runner:
+    `model.context_length=`)."""
     available = available_memory() if available is None else available
     if estimate.total <= available:
         return
@@ -130,9 +156,9 @@ def check_memory(estimate: MemoryEstimate, model_name: str, weights: str,
         fitting = min(fitting, estimate.context_length - 1)
         if fitting >= 256:
             fitting = fitting // 256 * 256
-            fixes.append(f"pass context_length={fitting} or less")
+            fixes.append(f"pass {context_option}{fitting} or less")
     if weights == "float32":
-        fixes.append("keep the weights quantized (weights='quantized')")
+        fixes.append(f"keep the weights quantized ({weights_option})")
     if not fixes:
         fixes.append("free memory or use a machine with more")
     raise MemoryLimitError(

@@ -75,7 +75,7 @@ def test_qwen3_zero_attention_equals_zeroed_o_projection(qwen3: Any, monkeypatch
     tokens = qwen3.generate(PROMPT, max_new_tokens=4, stop_at_eog=False,
                             experiments=[ZeroLayerOutput(layer=1, target="attention"), hooked]).token_ids
     weights = qwen3._forward.weights.layers[1]
-    monkeypatch.setattr(weights, "attn_output", np.zeros_like(weights.attn_output))
+    monkeypatch.setattr(weights, "attn_output", np.zeros(weights.attn_output.shape, np.float32))
     reference = Capture()
     reference_tokens = qwen3.generate(PROMPT, max_new_tokens=4, stop_at_eog=False,
                                       experiments=[reference]).token_ids

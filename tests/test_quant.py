@@ -66,7 +66,7 @@ def test_every_block_type_decodes_like_gguf_py_and_multiplies_like_float32(qtype
         assert np.abs(got - reference).max() <= 2e-6 * np.abs(reference).max()
 
 
-def test_prefill_multiplies_tile_by_tile_into_column_slices(monkeypatch):
+def test_stacked_parts_of_two_types_multiply_into_their_columns(monkeypatch):
     import ember.quant.matrix as matrix_module
 
     monkeypatch.setattr(matrix_module, "TILE_VALUES", 5 * 256)  # several tiles, the last one short
@@ -75,11 +75,12 @@ def test_prefill_multiplies_tile_by_tile_into_column_slices(monkeypatch):
              for i, qtype in enumerate((Q.Q4_K, Q.Q8_0))]
     stacked = StackedMatrix(parts)
     weight = np.concatenate([reference_values(Q(p.ggml_type), p.data) for p in parts])
-    x = RNG.standard_normal((9, columns)).astype(np.float32)
-    out = np.full((9, 2 * rows), np.nan, np.float32)
-    stacked.matmul(x, out)
-    expected = x.astype(np.float64) @ weight.T.astype(np.float64)
-    assert np.abs(out - expected).max() <= 1e-6 * np.abs(expected).max()  # every column written
+    for tokens in (9, 1):  # prefill tiles; decode's one kernel call over both parts
+        x = RNG.standard_normal((tokens, columns)).astype(np.float32)
+        out = np.full((tokens, 2 * rows), np.nan, np.float32)
+        stacked.matmul(x, out)
+        expected = x.astype(np.float64) @ weight.T.astype(np.float64)
+        assert np.abs(out - expected).max() <= 1e-6 * np.abs(expected).max()  # every column written
     assert TILE_VALUES >= 1 << 20  # the real tile: BLAS-sized
 
 

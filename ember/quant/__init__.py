@@ -40,18 +40,31 @@ def jit_unavailable() -> str | None:
     return None
 
 
+_kernel_threads = 1
+
+
+def kernel_threads() -> int:
+    """The number of threads the kernels share a product among (set by `compute_threads`); numba's own
+    `get_num_threads()` costs a microsecond or more a call, a noticeable share of a small product."""
+    return _kernel_threads
+
+
 @contextmanager
 def compute_threads(threads: int) -> Iterator[None]:
     """Run BLAS and (when loaded) the numba kernels on `threads` threads inside the block."""
+    global _kernel_threads
     from threadpoolctl import threadpool_limits
 
     numba = sys.modules.get("numba")  # only once the kernels are in use
     previous = numba.get_num_threads() if numba is not None else None
+    saved = _kernel_threads
     with threadpool_limits(threads):
         if numba is not None:
-            numba.set_num_threads(max(1, min(threads, numba.config.NUMBA_NUM_THREADS)))
+            _kernel_threads = max(1, min(threads, numba.config.NUMBA_NUM_THREADS))
+            numba.set_num_threads(_kernel_threads)
         try:
             yield
         finally:
+            _kernel_threads = saved
             if numba is not None and previous is not None:
                 numba.set_num_threads(previous)

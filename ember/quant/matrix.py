@@ -20,11 +20,10 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
-import numba
 import numpy as np
 
 from ember.ops import linear
-from ember.quant import kernels
+from ember.quant import kernel_threads, kernels
 
 # A prefill tile: 4 M float32 weights (16 MB). Large enough that BLAS runs at full speed on each tile,
 # small enough that even Llama-3.1-8B's 28672-row gate/up projection never needs its 470 MB float32
@@ -56,6 +55,8 @@ class QuantizedMatrix:
         self.data = data
         self.ggml_type = int(ggml_type)
         self.shape = shape
+        self._types = np.array([self.ggml_type], np.int64)
+        self._offsets = np.array([0, shape[0]], np.int64)
 
     def __repr__(self) -> str:
         return f"QuantizedMatrix({self.name!r}, type {self.ggml_type}, shape {self.shape})"
@@ -67,8 +68,8 @@ class QuantizedMatrix:
     def matmul(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
         """out = x @ Wᵀ for x [T, columns]; out [T, rows] may be a column slice of a wider buffer."""
         if x.shape[0] == 1:
-            kernels.matvec(self.ggml_type, self.data, x[0], out[0], kernels.F16_TABLE, HALF,
-                           numba.get_num_threads())
+            kernels.matvec(self._types, (self.data,), self._offsets, x[0], out[0], kernels.F16_TABLE,
+                           kernel_threads())
             return out
         rows, columns = self.shape
         tile_rows = max(1, min(rows, TILE_VALUES // columns))
@@ -103,12 +104,22 @@ class StackedMatrix:
             raise ValueError(f"cannot stack matrices of shapes {[p.shape for p in self.parts]}")
         self.shape = (sum(part.shape[0] for part in self.parts), columns.pop())
         self.offsets = np.cumsum([0] + [part.shape[0] for part in self.parts]).tolist()
+        # decode multiplies every part in one kernel call when none of them is a float32 array
+        self._quantized = all(isinstance(part, QuantizedMatrix) for part in self.parts)
+        if self._quantized:
+            self._types = np.array([part.ggml_type for part in self.parts], np.int64)
+            self._data = tuple(part.data for part in self.parts)
+            self._offsets = np.array(self.offsets, np.int64)
 
     @property
     def nbytes(self) -> int:
         return sum(int(part.nbytes) for part in self.parts)
 
     def matmul(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
+        if x.shape[0] == 1 and self._quantized:
+            kernels.matvec(self._types, self._data, self._offsets, x[0], out[0], kernels.F16_TABLE,
+                           kernel_threads())
+            return out
         for part, start, stop in zip(self.parts, self.offsets, self.offsets[1:], strict=False):
             linear(x, part, out[:, start:stop])
         return out
@@ -119,10 +130,12 @@ def warm_up() -> None:
     """Compile the kernels (or load them from numba's cache) with the argument types the engine uses:
     mapped file bytes (read-only uint8), float32 activations. A first load compiles for about a minute
     on 2 cores; a cached load takes a fraction of a second."""
-    data = np.zeros((1, 4), np.uint8)
+    data = np.zeros((1, 34), np.uint8)  # one Q8_0 block
     data.flags.writeable = False
-    x = np.zeros(1, np.float32)
-    out = np.zeros((1, 1), np.float32)
-    kernels.matvec(kernels.F32, data, x, out[0], kernels.F16_TABLE, HALF, 1)
-    kernels.dequantize_range(kernels.F32, data, 0, out, kernels.F16_TABLE, HALF)
-    kernels.dequantize_rows(kernels.F32, data, np.zeros(1, np.int64), out, kernels.F16_TABLE, HALF)
+    x = np.zeros(32, np.float32)
+    out = np.zeros((1, 32), np.float32)
+    for parts in ((data,), (data, data), (data, data, data)):  # one matrix, gate/up, Q/K/V
+        types = np.full(len(parts), kernels.Q8_0, np.int64)
+        kernels.matvec(types, parts, np.arange(len(parts) + 1), x, out[0], kernels.F16_TABLE, 1)
+    kernels.dequantize_range(kernels.Q8_0, data, 0, out, kernels.F16_TABLE, HALF)
+    kernels.dequantize_rows(kernels.Q8_0, data, np.zeros(1, np.int64), out, kernels.F16_TABLE, HALF)
