@@ -3,6 +3,7 @@ experiment, with a no-op experiment implementing every hook, and with `activatio
 
     python -m benchmarks.bench_hooks                         # SmolLM2-135M
     python -m benchmarks.bench_hooks --repeats 9 --new-tokens 48 --json hooks.json
+    python -m benchmarks.bench_hooks --model qwen3-0.6b      # a ladder shape (benchmarks/synthetic.py)
 
 One process, one loaded model; the three configurations take turns within every repeat (rotating
 which goes first) so a change in the machine's load hits them alike. Printed figures are medians over
@@ -122,7 +123,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", default="smollm2-135m", help="model name or .gguf path")
+    parser.add_argument("--model", default="smollm2-135m",
+                        help="model name, synthetic ladder shape or .gguf path")
+    parser.add_argument("--ember-weights", choices=("quantized", "float32"),
+                        help="ember.load_model(weights=...), when this ember has the option")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=32)
@@ -131,8 +135,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--json", help="write every measurement to this file")
     args = parser.parse_args(argv)
 
-    model = ember.load_model(args.model, context_length=args.prompt_tokens + args.new_tokens + 8,
-                             threads=args.threads)
+    from benchmarks.bench import ember_has_weights_option
+    from benchmarks.synthetic import SHAPES, ensure
+
+    source = ensure(args.model) if args.model in SHAPES else args.model
+    options = {"weights": args.ember_weights} if args.ember_weights and ember_has_weights_option() else {}
+    if args.ember_weights == "quantized" and not options:
+        parser.error("this ember has no weights= option (it keeps float32 weights)")
+    model = ember.load_model(source, context_length=args.prompt_tokens + args.new_tokens + 8,
+                             threads=args.threads, **options)
     ids = prompt_ids(model, args.prompt_tokens)
     names = list(CONFIGURATIONS)
     config = model.config

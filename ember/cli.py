@@ -67,7 +67,8 @@ def _common() -> argparse.ArgumentParser:
 
 def _sampling(parser: argparse.ArgumentParser, max_new_tokens: int) -> None:
     group = parser.add_argument_group("generation")
-    group.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+    group.add_argument("--max-new-tokens", type=int, default=max_new_tokens,
+                       help="tokens to generate; 0: prefill only, no token (default: %(default)s)")
     group.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
     group.add_argument("--top-k", type=int, default=0)
     group.add_argument("--top-p", type=float, default=1.0)
@@ -84,10 +85,18 @@ def _prompt_set_options(parser: argparse.ArgumentParser) -> None:
                         help="last token or mean over tokens (default: last)")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with a mistake reported as one `ember:` line (not the usage block), exit status 2."""
+
+    def error(self, message: str) -> Any:
+        print(f"ember: {message} ({self.prog} --help shows the options)", file=sys.stderr, flush=True)
+        self.exit(EXIT_USAGE)
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = _common()
-    parser = argparse.ArgumentParser(prog="ember", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _Parser(prog="ember", description=__doc__.split("\n\n")[0],
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     gen = sub.add_parser("generate", parents=[common], help="generate text (experiments, dumps, tracing)")
@@ -119,7 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
         _sampling(chat, 256)
 
     demo = sub.add_parser("demo", parents=[common], help="a short scripted showcase of generation")
-    demo.add_argument("--max-new-tokens", type=int, default=48)
+    demo.add_argument("--max-new-tokens", type=int, default=48,
+                      help="tokens per reply; 0: prefill only, no token (default: %(default)s)")
 
     bench = sub.add_parser("benchmark", parents=[common], help="load, prefill, decode figures and peak RSS")
     bench.add_argument("--prompt-tokens", type=int, default=64)
@@ -129,6 +139,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("run", help="the Hydra front door: ember run [group=option key=value ...] (see ember.run)",
                    add_help=False)
+
+    runs = sub.add_parser("runs", help="look after recorded runs (ember runs repair, ember runs upload)")
+    actions = runs.add_subparsers(dest="runs_command", metavar="ACTION", required=True)
+    upload = actions.add_parser("upload", help="upload the records kept in outputs/mlflow-outbox while the "
+                                               "tracking server was away")
+    repair = actions.add_parser("repair", help="upload kept records (as upload), then close as KILLED the "
+                                               "RUNNING runs whose process died")
+    for action in (upload, repair):
+        action.add_argument("--mlflow-uri", default=None, help="tracking URI (default: as `ember run`)")
     return parser
 
 
@@ -168,7 +187,8 @@ def experiment_specs(texts: Sequence[str]) -> list[Any]:
 def mlflow_settings(args: argparse.Namespace) -> Any:
     from ember.runconfig import MlflowSettings
 
-    return MlflowSettings(args.mlflow_uri, args.mlflow_experiment, not args.no_mlflow)
+    return MlflowSettings(args.mlflow_uri, getattr(args, "mlflow_experiment", "ember"),
+                          not getattr(args, "no_mlflow", False))
 
 
 def load(args: argparse.Namespace, tracer: Any = None) -> Any:
@@ -232,7 +252,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     dumping = args.dump_layers or args.dump_logits
     name = "+".join(e.name for e in experiments) or ("dump" if dumping else "generate")
     options = dict(max_new_tokens=args.max_new_tokens, tracer=tracer, **_sampling_options(args))
-    with mlflow_run(mlflow_settings(args), f"{name} {model.source.name}", _model_tags(model)) as log:
+    with mlflow_run(mlflow_settings(args), f"{name} {model.source.name}", _model_tags(model),
+                    command="ember generate") as log:
         log.params({"prompt": args.prompt, "chat": args.chat, **options, "tracer": tracer is not None,
                     "experiments": " ".join(args.experiment), "dump_layers": args.dump_layers,
                     "dump_logits": args.dump_logits})
@@ -285,9 +306,12 @@ def _log_generation(log: Any, generation: Any) -> None:
                  ("decode.tokens_per_second", t.decode_tokens_per_second, 0)])
     log.json({"text": generation.text, "prompt_token_ids": generation.prompt_token_ids,
               "token_ids": generation.token_ids, "stop_reason": generation.stop_reason}, "generation.json")
-    if log.enabled:
-        for name, result in generation.experiment_results.items():
+    from ember.runs.summary import experiment_summary
+
+    for name, result in generation.experiment_results.items():
+        if log.enabled:
             tracking.log_experiment_result(log.tracker, log.run_id, name, result)
+        say(experiment_summary(name, result))
 
 
 def _extract(args: argparse.Namespace, log: Any) -> tuple[Any, Any, Any, list[int]]:
@@ -400,9 +424,107 @@ def cmd_benchmark(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_runs(args: argparse.Namespace) -> int:
+    """`ember runs upload`: the records kept in outputs/mlflow-outbox while the store was away go to it;
+    `ember runs repair`: that, then every RUNNING run whose process is gone is closed as KILLED."""
+    from ember import tracking
+
+    store = tracking.resolve_store(mlflow_settings(args))
+    if store.tracking_uri.startswith("sqlite:///") and not Path(store.tracking_uri[10:]).exists():
+        say(f"no MLflow store at {store.tracking_uri[10:]}: nothing to {args.runs_command}")
+        return EXIT_OK
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(store.tracking_uri)
+    uploaded = tracking.upload_outboxes(client, store.tracking_uri)
+    left = tracking.outbox.pending(tracking.outbox.default_root(), store.tracking_uri)
+    if left:
+        say(f"{len(left)} outbox(es) for {store.tracking_uri} could not be uploaded yet: {left[0].parent}")
+    elif not uploaded and args.runs_command == "upload":
+        say(f"no records waiting for {store.tracking_uri}")
+    if args.runs_command == "upload":
+        return EXIT_OK if not left else EXIT_FAILED
+    repaired = tracking.repair_store(client, store.tracking_uri)
+    say(f"{len(repaired)} run(s) of dead processes closed as KILLED in {store.tracking_uri}"
+        if repaired else f"no run of a dead process in {store.tracking_uri}")
+    return EXIT_OK if not left else EXIT_FAILED
+
+
 COMMANDS = {"generate": cmd_generate, "extract": cmd_extract, "probe": cmd_probe,
             "interactive": cmd_interactive, "chat": cmd_interactive, "demo": cmd_demo,
-            "benchmark": cmd_benchmark}
+            "benchmark": cmd_benchmark, "runs": cmd_runs}
+
+
+# ------------------------------------------------------------------------------------ checks
+
+
+def check_options(args: argparse.Namespace) -> None:
+    """Every option's type and range, from the arguments alone (the same rules as `ember run`)."""
+    from ember.runconfig import check_int, check_number
+
+    def whole(name: str, minimum: int, allow_none: bool = False) -> None:
+        attribute = name.replace("-", "_")
+        if hasattr(args, attribute):
+            check_int(f"--{name}", getattr(args, attribute), minimum=minimum, allow_none=allow_none)
+
+    whole("context-length", 1, allow_none=True)
+    whole("threads", 1, allow_none=True)
+    whole("max-new-tokens", 0)  # 0: prefill only, no token
+    whole("top-k", 0)
+    whole("seed", 0)
+    whole("folds", 2)
+    whole("prompt-tokens", 1)
+    whole("new-tokens", 2)
+    whole("repeats", 1)
+    if hasattr(args, "temperature"):
+        check_number("--temperature", args.temperature, low=0.0, high=float("inf"), high_open=True)
+        check_number("--top-p", args.top_p, low=0.0, high=1.0, low_open=True)
+        check_number("--min-p", args.min_p, low=0.0, high=1.0, high_open=True)
+    if hasattr(args, "l2"):
+        check_number("--l2", args.l2, low=0.0, high=float("inf"), high_open=True)
+    experiment_specs(getattr(args, "experiment", []))  # their syntax; names and parameters need the model
+
+
+def check_model(args: argparse.Namespace) -> None:
+    """What needs the model file's metadata (its weights are not read): the context length, the
+    experiments and their parameters, layers, and the prompt against the context."""
+    from ember.families import config_from_gguf
+    from ember.gguf_file import GGUFFile
+    from ember.sources import resolve_model
+
+    model_file = resolve_model(args.model, progress=not args.quiet)
+    gguf = GGUFFile.open(model_file.path)
+    config = config_from_gguf(gguf)
+    context = args.context_length or config.context_length
+    if context > config.context_length:
+        raise ConfigError(f"--context-length {context} is longer than {args.model}'s trained context "
+                          f"({config.context_length} tokens)")
+    if args.command in ("extract", "probe"):
+        from ember.inspection.extraction import resolve_layers
+
+        resolve_layers(args.layers, config.layer_count)
+    if args.command != "generate":
+        return
+    from ember.experiments import BUILTIN_EXPERIMENTS
+    from ember.runconfig import build_experiments
+    from ember.tokenizer import Tokenizer
+
+    build_experiments(experiment_specs(args.experiment), BUILTIN_EXPERIMENTS, config.layer_count)
+    tokenizer = Tokenizer.from_gguf(gguf)
+    if args.chat:
+        prompt_tokens = len(tokenizer.encode_chat([{"role": "user", "content": args.prompt}]))
+    else:
+        prompt_tokens = len(tokenizer.encode(args.prompt))
+    if prompt_tokens == 0:
+        raise ConfigError("the prompt is empty: give at least one token")
+    if prompt_tokens + args.max_new_tokens > context:
+        raise ConfigError(f"the prompt ({prompt_tokens} tokens) plus --max-new-tokens {args.max_new_tokens} "
+                          f"is more than the context holds ({context} tokens; --context-length sets it, up "
+                          f"to {config.context_length})")
+
+
+MODEL_COMMANDS = ("generate", "extract", "probe", "interactive", "chat", "demo", "benchmark")
+RECORDING_COMMANDS = ("generate", "extract", "probe", "benchmark", "runs")
 
 
 # ------------------------------------------------------------------------------------ entry point
@@ -412,6 +534,8 @@ def check_combination(args: argparse.Namespace) -> None:
     """The v0.1 refusals, checked from the arguments alone (nothing is loaded yet)."""
     from ember.inspection.refusal import refuse_with_experiments
 
+    if args.command == "runs":
+        return
     experiments = [spec.partition(":")[0] for spec in args.experiment]
     if args.command == "generate":
         if args.dump_layers:
@@ -440,6 +564,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     try:
         check_combination(args)
+        check_options(args)
+        if args.command in MODEL_COMMANDS:
+            check_model(args)
+        if args.command in RECORDING_COMMANDS and not getattr(args, "no_mlflow", False):
+            from ember.tracking import check_reachable, resolve_store
+
+            check_reachable(resolve_store(mlflow_settings(args)).tracking_uri)
         from ember import tracking
 
         tracking.quiet_mlflow_logging()

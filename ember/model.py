@@ -125,17 +125,20 @@ class Model:
         experiments: Sequence[Any] = (),
         tracing: TracingState = TracingState.DISABLED,
         on_text: Callable[[str], None] | None = None,
+        on_token: Callable[[int], None] | None = None,
         stop_at_eog: bool = True,
         observer: Any = None,
         tracer: Tracer | None = None,
         reuse_cache: bool = False,
     ) -> Generation:
-        """Generate up to max_new_tokens after the prompt (text, or exact token ids used as given).
+        """Generate up to max_new_tokens after the prompt (text, or exact token ids used as given);
+        max_new_tokens=0 evaluates the prompt only (one prefill, experiments see it) and samples no token.
 
         observer: a hooks adapter (ember.experiments.HooksAdapter) called at every boundary instead of
         the disabled one; internal to the inspection surfaces, refused together with experiments.
         tracer: record spans (tokenize, prefill, each decode step; each layer when `tracer.layers`);
         `tracing=TracingState.ENABLED` without a tracer makes one (`generation.trace`).
+        on_token: called with each generated token id, after its text went to `on_text`.
         reuse_cache: keep the longest cached prefix this prompt shares with the tokens already in the
         KV cache (the previous prompt and the generated tokens that were evaluated) and prefill only the
         rest; `generation.timings.reused_prompt_tokens` says how many were kept.
@@ -201,19 +204,21 @@ class Model:
             with compute_threads(self.threads):
                 started = time.perf_counter()
                 logits = self._prefill(prompt_ids, hooks, start=reused)
-                token = sampler(logits[0])
+                token = sampler(logits[0]) if max_new_tokens > 0 else -1  # 0: prefill only, no token
                 finished = time.perf_counter()
                 prefill_seconds = finished - started
                 if tracer is not None:
                     tracer.complete("prefill", started, finished, cat="prefill",
                                     args={"start_position": reused, "tokens": len(prompt_ids) - reused})
                 position = len(prompt_ids)
-                while True:
+                while max_new_tokens > 0:
                     if stop_at_eog and token in self.tokenizer.eog_ids:
                         stop_reason = "eog"
                         break
                     generated.append(token)
                     emit(token)
+                    if on_token is not None:
+                        on_token(token)
                     if len(generated) >= max_new_tokens:
                         break
                     started = time.perf_counter()
@@ -276,7 +281,7 @@ class Model:
         if prompt_tokens == 0:
             raise ConfigError("the prompt is empty: give at least one token")
         if max_new_tokens < 0:
-            raise ConfigError(f"max_new_tokens must be ≥ 0, got {max_new_tokens}")
+            raise ConfigError(f"max_new_tokens must be at least 0 (0: prefill only), got {max_new_tokens}")
         if prompt_tokens + max_new_tokens > self.context_length:
             raise ContextLengthError(
                 f"the prompt ({prompt_tokens} tokens) plus max_new_tokens ({max_new_tokens}) does not fit "

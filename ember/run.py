@@ -31,7 +31,9 @@ import hydra
 from omegaconf import DictConfig
 
 from ember import tracking
+from ember.errors import EmberError
 from ember.runs.execute import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, execute, say
+from ember.runs.overrides import describe_hydra_error, preflight
 
 # ------------------------------------------------------------------------------------ entry point
 
@@ -69,16 +71,40 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main() -> int:
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
     _EXIT_CODES.clear()
     tracking.quiet_mlflow_logging()
+    try:
+        for uri in preflight(sys.argv[1:], CONF_DIR, "config"):
+            tracking.check_reachable(uri or os.environ.get("MLFLOW_TRACKING_URI") or "")
+    except EmberError as error:
+        say(f"ember: {error}")
+        return EXIT_USAGE
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     started = time.perf_counter()
+    # Hydra's own errors are raised to this function (not printed by Hydra) unless the user asked for
+    # Hydra's full reports with HYDRA_FULL_ERROR.
+    user_wants_hydra_reports = "HYDRA_FULL_ERROR" in os.environ
+    os.environ.setdefault("HYDRA_FULL_ERROR", "1")
     try:
         _hydra_task()
+    except (HydraException, OmegaConfBaseException) as error:
+        if user_wants_hydra_reports:
+            raise
+        say(f"ember: {describe_hydra_error(error, sys.argv[1:])}")
+        _close_open_sweep(interrupted=False)
+        return EXIT_USAGE
+    except EmberError as error:  # e.g. the sweep's store, met when its parent run is made
+        say(f"ember: {error}")
+        _close_open_sweep(interrupted=False)
+        return EXIT_USAGE
     except KeyboardInterrupt:
         sweep = _close_open_sweep(interrupted=True)
         if sweep is not None:
-            say("ember: sweep interrupted; its parent run is recorded as KILLED")
+            say("ember: sweep interrupted; its parent run is recorded as KILLED"
+                + (f": MLflow run {sweep.run_id} in {sweep.tracking_uri}" if sweep.run_id else ""))
         return EXIT_INTERRUPTED
     except SystemExit as exit_:
         # Hydra's own errors (bad override syntax, unknown group, ...) and launcher crashes (a joblib
@@ -91,6 +117,8 @@ def _main() -> int:
         return code
     finally:
         signal.signal(signal.SIGTERM, previous)
+        if not user_wants_hydra_reports:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
     sweep = _close_open_sweep(interrupted=False)
     if sweep is not None:
         return _report_sweep(sweep, started)
@@ -99,12 +127,13 @@ def _main() -> int:
 
 def _report_sweep(sweep: tracking.SweepSummary, started: float) -> int:
     jobs = sweep.jobs or len(_EXIT_CODES)
+    where = (f"; parent MLflow run {sweep.run_id} in {sweep.tracking_uri}" if sweep.run_id else "")
     if not sweep.ok:
-        say(f"ember: sweep finished with {len(sweep.failed_jobs)} failed job(s) of {jobs}:")
+        say(f"ember: sweep finished with {len(sweep.failed_jobs)} failed job(s) of {jobs}{where}:")
         for line in sweep.failed_jobs:
             say(f"  {line}")
         return EXIT_FAILED
-    say(f"ember: sweep of {jobs} job(s) finished in {time.perf_counter() - started:.1f} s")
+    say(f"ember: sweep of {jobs} job(s) finished in {time.perf_counter() - started:.1f} s{where}")
     return EXIT_OK
 
 

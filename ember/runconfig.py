@@ -123,6 +123,11 @@ def _float(where: str, value: Any, *, low: float, high: float, low_open: bool = 
     return number
 
 
+# The same checks for other front doors (the `ember` command's options).
+check_int = _int
+check_number = _float
+
+
 def _bool(where: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise ConfigError(f"{where} must be true or false, got {_show(value)}")
@@ -236,7 +241,8 @@ def parse_run_config(cfg: Any) -> RunConfig:
         model=model,
         prompt=prompt,
         messages=messages,
-        max_new_tokens=_int("max_new_tokens", plain.get("max_new_tokens"), minimum=1),  # type: ignore[arg-type]
+        # 0: prefill only, no token generated (the one rule of every front door and Model.generate)
+        max_new_tokens=_int("max_new_tokens", plain.get("max_new_tokens"), minimum=0),  # type: ignore[arg-type]
         sampling=sampling,
         experiments=_experiment_specs(plain.get("experiments")),
         intervention_effect=_bool("intervention_effect", plain.get("intervention_effect")),

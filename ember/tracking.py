@@ -18,6 +18,7 @@ import logging
 import math
 import os
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -29,6 +30,8 @@ from typing import Any
 import numpy as np
 from hydra.experimental.callback import Callback
 
+from ember import heartbeat, outbox
+from ember.errors import EmberError
 from ember.runconfig import MlflowSettings
 
 log = logging.getLogger(__name__)
@@ -40,6 +43,19 @@ MAX_TAG_LENGTH = 8000
 
 # MLflow run statuses.
 FINISHED, FAILED, KILLED = "FINISHED", "FAILED", "KILLED"
+
+# MLflow 3's UI opens an experiment in its model-training view (runs, charts), not the GenAI view
+# (traces, evaluations), when the experiment carries this tag with this value.
+EXPERIMENT_TAGS = {"mlflow.experimentKind": "custom_model_development"}
+
+# The UI's Source column: what made the run (the Hydra runner; the `ember` command sets its own name).
+SOURCE_TAGS = {"mlflow.source.name": "ember.run", "mlflow.source.type": "LOCAL"}
+
+# A server that stops answering is noticed in seconds (MLflow's defaults retry for ~4 minutes per
+# request); the records then go to the run's outbox. Set these variables to choose otherwise.
+os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "3")
+os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
+os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,16 +105,77 @@ def _chunks(items: Sequence[Any], size: int) -> Iterable[Sequence[Any]]:
         yield items[start : start + size]
 
 
-class Tracker:
-    """One MLflow experiment in one store, with explicit run ids."""
+class TrackingUnavailableError(EmberError):
+    """The tracking server cannot be reached, or refuses ember, when a command starts."""
 
-    def __init__(self, store: Store, experiment_name: str) -> None:
+
+def check_reachable(tracking_uri: str, timeout: float = 5.0) -> None:
+    """For an HTTP store: one quick request (no retries) before anything is loaded; a TrackingUnavailable
+    error naming the server, what happened and the way out. Other stores (SQLite, files) pass."""
+    if not tracking_uri.startswith(("http://", "https://")):
+        return
+    import base64
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(f"{tracking_uri.rstrip('/')}/api/2.0/mlflow/experiments/search",
+                                     data=b'{"max_results": 1}', method="POST",
+                                     headers={"Content-Type": "application/json"})
+    user, password = os.environ.get("MLFLOW_TRACKING_USERNAME"), os.environ.get("MLFLOW_TRACKING_PASSWORD")
+    if user and password:
+        token = base64.b64encode(f"{user}:{password}".encode()).decode()
+        request.add_header("Authorization", f"Basic {token}")
+    elif os.environ.get("MLFLOW_TRACKING_TOKEN"):
+        request.add_header("Authorization", f"Bearer {os.environ['MLFLOW_TRACKING_TOKEN']}")
+    way_out = ("start it, record elsewhere with mlflow.tracking_uri=... (ember commands: --mlflow-uri), "
+               "or record nothing with mlflow=off (--no-mlflow)")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout):
+            return
+    except urllib.error.HTTPError as error:
+        if error.code in (401, 403):
+            raise TrackingUnavailableError(
+                f"the MLflow tracking server at {tracking_uri} refused ember's credentials (HTTP "
+                f"{error.code}): set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD for it") from None
+        raise TrackingUnavailableError(
+            f"the MLflow tracking server at {tracking_uri} answered HTTP {error.code} "
+            f"({error.reason}); {way_out}") from None
+    except (urllib.error.URLError, OSError) as error:
+        reason = getattr(error, "reason", error)
+        raise TrackingUnavailableError(
+            f"the MLflow tracking server at {tracking_uri} is not reachable ({reason}); {way_out}") from None
+
+
+class Tracker:
+    """One MLflow experiment in one store, with explicit run ids.
+
+    Every write of a run goes through `_write`: straight to the store, or, once an HTTP store has stopped
+    answering during the run, into the run's outbox (`ember.outbox`), in order, to be uploaded later.
+    A run started while the store is away gets a placeholder id and is created at upload.
+    """
+
+    def __init__(self, store: Store, experiment_name: str, *, outbox_root: Path | None = None) -> None:
         from mlflow.tracking import MlflowClient
 
         quiet_mlflow_logging()
         self.store = store
         self.client = MlflowClient(tracking_uri=store.tracking_uri)
+        self.outbox_root = outbox_root or outbox.default_root()
+        self.outboxes: dict[str, outbox.Outbox] = {}
         self.experiment_id = self._experiment(experiment_name)
+        open_store(self.client, store.tracking_uri, self.outbox_root)
+
+    @classmethod
+    def attach(cls, store: Store, experiment_id: str, *, outbox_root: Path | None = None) -> Tracker:
+        """A tracker for runs of a known experiment, without contacting the store (closing a sweep)."""
+        from mlflow.tracking import MlflowClient
+
+        tracker = cls.__new__(cls)
+        tracker.store, tracker.experiment_id = store, experiment_id
+        tracker.client = MlflowClient(tracking_uri=store.tracking_uri)
+        tracker.outbox_root = outbox_root or outbox.default_root()
+        tracker.outboxes = {}
+        return tracker
 
     def _experiment(self, name: str) -> str:
         from mlflow.exceptions import MlflowException
@@ -108,66 +185,169 @@ class Tracker:
             if found is not None:
                 if found.lifecycle_stage == "deleted":
                     self.client.restore_experiment(found.experiment_id)
+                self._tag_experiment(found)
                 return found.experiment_id
             location = None
             if self.store.artifact_root is not None:
                 location = f"{self.store.artifact_root}/{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}"
             try:
-                return self.client.create_experiment(name, artifact_location=location)
+                return self.client.create_experiment(name, artifact_location=location, tags=EXPERIMENT_TAGS)
             except MlflowException:  # created meanwhile by a parallel job: look it up again
                 time.sleep(0.2)
         raise RuntimeError(f"could not create or find the MLflow experiment {name!r}")
 
+    def _tag_experiment(self, experiment: Any) -> None:
+        """An experiment made before ember tagged its experiments, or by hand: tagged now, unless its
+        owner chose another kind."""
+        for key, value in EXPERIMENT_TAGS.items():
+            if key not in experiment.tags:
+                self.client.set_experiment_tag(experiment.experiment_id, key, value)
+
     # -------------------------------------------------------------------------------- runs
 
     def start_run(self, name: str, tags: Mapping[str, Any], parent_run_id: str | None = None) -> str:
-        all_tags = {k: _text(v, MAX_TAG_LENGTH) for k, v in tags.items()}
+        """A RUNNING run tagged with this process and a heartbeat kept fresh until `end_run`."""
+        all_tags = {k: _text(v, MAX_TAG_LENGTH) for k, v in {**heartbeat.process_tags(), **tags}.items()}
         if parent_run_id:
             all_tags["mlflow.parentRunId"] = parent_run_id
-        run = self.client.create_run(self.experiment_id, run_name=name, tags=all_tags)
+        try:
+            run = self.client.create_run(self.experiment_id, run_name=name, tags=all_tags)
+        except Exception as error:
+            if not outbox.unreachable(error, self.store.tracking_uri):
+                raise
+            run_id = outbox.new_placeholder()
+            self._to_outbox(run_id, error)
+            self.outboxes[run_id].append({"op": "create_run", "run_id": run_id, "run_name": name,
+                                          "experiment_id": self.experiment_id, "tags": list(all_tags.items()),
+                                          "start_time": int(time.time() * 1000)})
+            return run_id
+        heartbeat.start(self.client, run.info.run_id)
         return run.info.run_id
 
     def end_run(self, run_id: str, status: str) -> None:
-        self.client.set_terminated(run_id, status=status)
+        heartbeat.stop(run_id)
+        self._write(run_id, {"op": "terminate", "status": status, "end_time": int(time.time() * 1000)})
+        kept = self.outboxes.pop(run_id, None)
+        if kept is not None:  # the server may be back: try now, else the next command uploads it
+            kept.release()
+            try:
+                outbox.upload(kept.folder, self.client)
+            except Exception:
+                pass
+
+    def outbox_of(self, run_id: str) -> Path | None:
+        """Where this run's records wait for the server, if they do."""
+        kept = self.outboxes.get(run_id)
+        if kept is not None:
+            return kept.folder
+        folder = self.outbox_root / run_id
+        return folder if folder.exists() else None
 
     def log_params(self, run_id: str, params: Mapping[str, Any]) -> None:
-        from mlflow.entities import Param
-
-        entries = [Param(metric_key(k), _text(v, MAX_PARAM_LENGTH)) for k, v in params.items()]
+        entries = [[metric_key(k), _text(v, MAX_PARAM_LENGTH)] for k, v in params.items()]
         for chunk in _chunks(entries, 100):
-            self.client.log_batch(run_id, params=chunk)
+            self._write(run_id, {"op": "log_batch", "params": list(chunk)})
 
     def set_tags(self, run_id: str, tags: Mapping[str, Any]) -> None:
-        from mlflow.entities import RunTag
-
-        entries = [RunTag(k, _text(v, MAX_TAG_LENGTH)) for k, v in tags.items()]
+        entries = [[k, _text(v, MAX_TAG_LENGTH)] for k, v in tags.items()]
         for chunk in _chunks(entries, 100):
-            self.client.log_batch(run_id, tags=chunk)
+            self._write(run_id, {"op": "log_batch", "tags": list(chunk)})
 
     def log_metrics(self, run_id: str, metrics: Iterable[tuple[str, float, int]]) -> None:
-        from mlflow.entities import Metric
-
-        now = int(time.time() * 1000)
-        entries = [Metric(metric_key(k), float(v), now, int(step)) for k, v, step in metrics]
+        now = int(time.time() * 1000)  # kept in an outbox as is: an upload repeated stores them once
+        entries = [[metric_key(k), float(v), now, int(step)] for k, v, step in metrics]
         for chunk in _chunks(entries, 1000):
-            self.client.log_batch(run_id, metrics=chunk)
+            self._write(run_id, {"op": "log_batch", "metrics": list(chunk)})
 
     # -------------------------------------------------------------------------------- artifacts
 
     def log_text(self, run_id: str, text: str, artifact_file: str) -> None:
-        self.client.log_text(run_id, text, artifact_file)
+        self._artifact(run_id, artifact_file, lambda path: path.write_text(text, encoding="utf-8"))
 
     def log_json(self, run_id: str, value: Any, artifact_file: str) -> None:
-        self.client.log_text(run_id, json.dumps(value, indent=2, default=_json_default), artifact_file)
+        self.log_text(run_id, json.dumps(value, indent=2, default=_json_default), artifact_file)
 
     def log_array(self, run_id: str, array: np.ndarray, artifact_file: str) -> None:
-        with tempfile.TemporaryDirectory() as folder:
-            path = Path(folder) / Path(artifact_file).name
-            np.save(path, np.asarray(array))
-            self.client.log_artifact(run_id, str(path), str(Path(artifact_file).parent) or None)
+        self._artifact(run_id, artifact_file, lambda path: np.save(path, np.asarray(array)))
 
     def log_figure(self, run_id: str, figure: Any, artifact_file: str) -> None:
-        self.client.log_figure(run_id, figure, artifact_file)
+        self._artifact(run_id, artifact_file, lambda path: figure.savefig(path))
+
+    def log_file(self, run_id: str, path: str | os.PathLike[str], artifact_dir: str | None = None) -> None:
+        self._artifact(run_id, str(Path(artifact_dir or "") / Path(path).name),
+                       lambda target: shutil.copyfile(path, target))
+
+    def _artifact(self, run_id: str, artifact_file: str, write: Any) -> None:
+        folder = str(Path(artifact_file).parent)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / Path(artifact_file).name
+            write(path)
+            self._write(run_id, {"op": "artifact", "dir": None if folder in ("", ".") else folder}, path)
+
+    # -------------------------------------------------------------------------------- the one write path
+
+    def _write(self, run_id: str, op: dict[str, Any], file: Path | None = None) -> None:
+        op = {**op, "run_id": run_id}
+        kept = self.outboxes.get(run_id)
+        if kept is None:
+            try:
+                if file is not None:
+                    self.client.log_artifact(run_id, str(file), op.get("dir"))
+                else:
+                    outbox.perform(self.client, op, None, {})
+                return
+            except Exception as error:
+                if not outbox.unreachable(error, self.store.tracking_uri):
+                    raise
+                kept = self._to_outbox(run_id, error)
+        kept.append(op, file)
+
+    def _to_outbox(self, run_id: str, error: BaseException) -> outbox.Outbox:
+        heartbeat.stop(run_id)
+        kept = outbox.Outbox.create(self.outbox_root, self.store.tracking_uri, run_id, self.experiment_id)
+        self.outboxes[run_id] = kept
+        reason = str(getattr(error, "message", "") or error).splitlines()[0]
+        print(f"ember: the tracking server at {self.store.tracking_uri} stopped answering ({reason[:200]}); "
+              f"the records of run {run_id} are kept in {kept.folder} and uploaded by the next ember command "
+              f"on this store (or: ember runs upload)", file=sys.stderr, flush=True)
+        return kept
+
+
+_REPAIRED_STORES: set[str] = set()
+
+
+def open_store(client: Any, tracking_uri: str, outbox_root: Path | None = None) -> None:
+    """The first time this process opens a store: upload the records kept while it was away, then close
+    the runs of dead processes (one line each)."""
+    if tracking_uri in _REPAIRED_STORES:
+        return
+    _REPAIRED_STORES.add(tracking_uri)
+    upload_outboxes(client, tracking_uri, outbox_root)
+    repair_store(client, tracking_uri)
+
+
+def upload_outboxes(client: Any, tracking_uri: str, outbox_root: Path | None = None) -> list[outbox.Uploaded]:
+    """Upload the outboxes kept for this store under `outputs/` (or `outbox_root`); never raises."""
+    try:
+        return outbox.flush(outbox_root or outbox.default_root(), tracking_uri, client,
+                            lambda line: print(line, file=sys.stderr, flush=True))
+    except Exception as error:
+        log.debug("upload of outboxes for %s failed: %s", tracking_uri, error)
+        return []
+
+
+def repair_store(client: Any, tracking_uri: str, *, quiet: bool = False) -> list[heartbeat.Repaired]:
+    """Close every RUNNING run of the store whose process died, as KILLED; never raises."""
+    try:
+        repaired = heartbeat.repair_dead_runs(client)
+    except Exception as error:  # the store's own problems show in the command's own calls
+        log.debug("repair of %s failed: %s", tracking_uri, error)
+        return []
+    if not quiet:
+        for run in repaired:
+            print(f"ember: MLflow run {run.run_id} ({run.run_name}) was still RUNNING but {run.reason}; "
+                  f"closed as KILLED", file=sys.stderr, flush=True)
+    return repaired
 
 
 def _json_default(value: Any) -> Any:
@@ -202,6 +382,8 @@ def log_experiment_result(tracker: Tracker, run_id: str, name: str, result: Any)
                if isinstance(m.value, int | float) and math.isfinite(float(m.value))]
     tracker.log_metrics(run_id, metrics)
     folder = f"experiments/{metric_key(name).replace(' ', '_').replace('/', '_')}"
+    tracker.log_json(run_id, [{"name": m.name, "value": m.value, "step": m.step} for m in result.metrics],
+                     f"{folder}/metrics.json")  # also what a checkpoint of a killed run holds
     for table, rows in result.tables.items():
         rows = list(rows)
         tracker.log_json(run_id, rows, f"{folder}/{table}.json")
@@ -344,6 +526,7 @@ class SweepSummary:
     run_id: str | None
     jobs: int
     failed_jobs: tuple[str, ...]
+    tracking_uri: str = ""
 
     @property
     def ok(self) -> bool:
@@ -386,7 +569,7 @@ def start_sweep(config: Any) -> str | None:
     tracker = Tracker(store, settings.experiment_name)
     overrides = [str(o) for o in OmegaConf.select(config, "hydra.overrides.task", default=[]) or []]
     launcher = str(OmegaConf.select(config, "hydra.launcher._target_", default="") or "")
-    tags = {**environment_tags(), "ember.sweep": "true", "ember.sweep_dir": str(sweep_dir),
+    tags = {**environment_tags(), **SOURCE_TAGS, "ember.sweep": "true", "ember.sweep_dir": str(sweep_dir),
             "ember.launcher": launcher.rsplit(".", 1)[-1]}
     run_id = tracker.start_run(_sweep_name(config), tags)
     tracker.log_params(run_id, {"hydra.overrides": " ".join(overrides), "hydra.launcher": launcher})
@@ -407,38 +590,44 @@ def finish_sweep(sweep_dir: str, *, interrupted: bool = False, error: str | None
                 for num, (status, detail) in jobs.items() if status != FINISHED}
     record = read_sweep_record(folder) if folder.exists() else None
     if record is not None and not record.get("closed"):
-        from mlflow.tracking import MlflowClient
-
-        client = MlflowClient(tracking_uri=record["tracking_uri"])
-        children = client.search_runs(
-            [record["experiment_id"]], filter_string=f"tags.mlflow.parentRunId = '{record['run_id']}'",
-            max_results=10000,
-        )
-        for child in children:  # a job killed without closing its run: close it for it
+        tracker = Tracker.attach(Store(record["tracking_uri"]), record["experiment_id"])
+        client = tracker.client
+        try:
+            children = client.search_runs(
+                [record["experiment_id"]], filter_string=f"tags.mlflow.parentRunId = '{record['run_id']}'",
+                max_results=10000,
+            )
+        except Exception as failure:  # the store is away: the job status files still tell the story
+            if not outbox.unreachable(failure, record["tracking_uri"]):
+                raise
+            children = None
+        for child in children or []:  # a job killed without closing its run: close it for it
             if child.info.status == "RUNNING":
-                client.set_terminated(child.info.run_id, status=KILLED)
+                heartbeat.close_dead_run(client, child, "its sweep ended while it was still RUNNING")
                 num = child.data.tags.get("ember.job")
                 if num is not None:
                     problems.setdefault(num, "killed")
-        recorded = {r.data.tags.get("ember.job") for r in children}
-        for num in statuses:
-            if num not in recorded:
-                problems.setdefault(num, "no MLflow run")
+        if children is not None:
+            recorded = {r.data.tags.get("ember.job") for r in children}
+            for num in statuses:
+                if num not in recorded:
+                    problems.setdefault(num, "no MLflow run")
         failed_jobs = _describe_jobs(folder, problems)
-        tags = {"ember.sweep.jobs": str(len(statuses)), "ember.sweep.child_runs": str(len(children)),
+        tags = {"ember.sweep.jobs": str(len(statuses)),
+                "ember.sweep.child_runs": str(len(children)) if children is not None else "unknown",
                 "ember.sweep.failed_jobs": "; ".join(failed_jobs) or "none"}
         if error:
             tags["ember.sweep.error"] = error
-        for key, value in tags.items():
-            client.set_tag(record["run_id"], key, _text(value, MAX_TAG_LENGTH))
+        tracker.set_tags(record["run_id"], tags)
         status = KILLED if interrupted else FAILED if (problems or error) else FINISHED
-        client.set_terminated(record["run_id"], status=status)
+        tracker.end_run(record["run_id"], status)
         record["closed"] = status
         sweep_record_path(folder).write_text(json.dumps(record))
     failed_jobs = _describe_jobs(folder, problems)
     if error:
         failed_jobs += (f"the sweep itself: {error}",)
-    _LAST_SWEEP = SweepSummary(record["run_id"] if record else None, len(statuses), failed_jobs)
+    _LAST_SWEEP = SweepSummary(record["run_id"] if record else None, len(statuses), failed_jobs,
+                               record["tracking_uri"] if record else "")
     return _LAST_SWEEP
 
 

@@ -84,6 +84,57 @@ def test_usage_mistakes_exit_2(no_loading, capsys: pytest.CaptureFixture[str]) -
     assert cli.main(["nonsense"]) == cli.EXIT_USAGE
 
 
+@pytest.fixture()
+def no_weights(smollm2_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The model file (already in the cache) may be resolved and its metadata read, but nothing may
+    load the model."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the mistake was reported")
+
+    monkeypatch.setattr(ember.model, "load_model", refuse)
+
+
+@pytest.mark.parametrize(("arguments", "message"), [
+    (["generate", "Hi", "--max-new-tokens", "-3"], "--max-new-tokens must be at least 0, got -3"),
+    (["generate", "Hi", "--experiment", "nope"], "unknown experiment 'nope' in experiments[0]; built-in"),
+    (["generate", "Hi", "--experiment", "zero_layer_output:layer=99"],
+     "experiments[0] (zero_layer_output).layer=99 is out of range: this model has 30 layers (0..29)"),
+    (["generate", "Hi", "--experiment", "zero_layer_output:layer=3,strength=2"],
+     "has no parameter 'strength'"),
+    (["generate", "Hi", "--top-p", "0"], "--top-p must be in (0, 1], got 0.0"),
+    (["generate", "Hi", "--temperature", "-1"], "--temperature must be in [0, inf), got -1.0"),
+    (["generate", "Hi", "--threads", "0"], "--threads must be at least 1, got 0"),
+    (["generate", "Hi", "--context-length", "100000"], "--context-length 100000 is longer than"),
+    (["generate", "Hi", "--max-new-tokens", "3000", "--context-length", "2048"],
+     "the prompt (1 tokens) plus --max-new-tokens 3000 is more than the context holds (2048 tokens"),
+    (["generate", "Hi", "--max-new-tokens", "abc"], "argument --max-new-tokens: invalid int value: 'abc'"),
+    (["generate", "Hi", "--model", "no-such-model"], "unknown model 'no-such-model'"),
+    (["extract", str(DATA / "probe_prompts.jsonl"), "--layers", "0,99"], "layer 99 is out of range"),
+    (["probe", str(DATA / "probe_prompts.jsonl"), "--folds", "1"], "--folds must be at least 2, got 1"),
+    (["interactive", "--max-new-tokens", "-1"], "--max-new-tokens must be at least 0"),
+    (["demo", "--max-new-tokens", "-1"], "--max-new-tokens must be at least 0"),
+    (["benchmark", "--repeats", "0"], "--repeats must be at least 1, got 0"),
+    (["generate", "Hi", "--bogus"], "unrecognized arguments: --bogus (ember --help"),
+    (["nonsense"], "argument COMMAND: invalid choice: 'nonsense'"),
+])
+def test_every_mistake_is_one_line_before_loading(no_weights, capsys: pytest.CaptureFixture[str],
+                                                   arguments: list[str], message: str) -> None:
+    assert cli.main([*arguments, "--no-mlflow"] if arguments[0] != "nonsense" else arguments) == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ember: ") and message in lines[0], err
+
+
+def test_max_new_tokens_0_is_prefill_only_everywhere(smollm2, fixture_model,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    generation = smollm2.generate("Hi", max_new_tokens=0)
+    assert generation.token_ids == [] and generation.text == ""
+    assert generation.timings.prompt_tokens == len(smollm2.tokenize("Hi"))
+    assert generation.timings.decode_evaluations == 0
+    assert cli.main(["generate", "Hi", "--max-new-tokens", "0", "--no-mlflow"]) == 0
+    assert "0 tokens" in capsys.readouterr().err
+
+
 def test_experiment_specs() -> None:
     specs = cli.experiment_specs(["zero_layer_output:layer=3,target=mlp", "pkg.mod.Class:scale=0.5"])
     assert specs[0].name == "zero_layer_output" and specs[0].params == {"layer": 3, "target": "mlp"}
@@ -109,11 +160,18 @@ def test_generate_with_experiment_and_trace(fixture_model, tmp_path: Path,
     code = cli.main(["generate", "The capital of France is", "--max-new-tokens", "3", "--experiment",
                      "activation_stats", "--trace", str(trace), "--trace-layers", *_mlflow(tmp_path)])
     assert code == cli.EXIT_OK
-    assert capsys.readouterr().out.startswith("The capital of France is")
+    captured = capsys.readouterr()
+    assert captured.out.startswith("The capital of France is")
     names = {e["name"] for e in json.loads(trace.read_text())["traceEvents"]}
     assert {"prefill", "decode", "layer 0", "generate"} <= names
     client, runs = _runs(tmp_path)
     assert len(runs) == 1 and runs[0].info.status == "FINISHED"
+    lines = captured.err.strip().splitlines()
+    assert lines[-1] == (f"ember: recorded as MLflow run {runs[0].info.run_id} (FINISHED) in "
+                         f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert any(line.startswith("ember: activation_stats: residual RMS") for line in lines)
+    assert runs[0].data.tags["mlflow.source.name"] == "ember generate"
+    assert client.get_experiment_by_name("ember").tags["mlflow.experimentKind"] == "custom_model_development"
     artifacts = {f.path for f in client.list_artifacts(runs[0].info.run_id)}
     assert {"generation.json", "trace", "experiments"} <= artifacts
     assert "activation_stats.prefill/after_layer/rms" in runs[0].data.metrics

@@ -162,10 +162,14 @@ def test_zero_layer_run_records_params_tags_metrics_artifacts(workdir):
     assert "layer: 7" in artifact(workdir, run, "config.yaml").read_text()
 
 
-def test_activation_stats_logs_per_layer_series_arrays_and_a_figure(workdir):
+def test_activation_stats_logs_per_layer_series_arrays_and_a_figure(workdir, capsys):
     assert run_main("experiment=activation_stats", "prompt=Hello there", "max_new_tokens=2",
                     "mlflow.experiment_name=t_stats") == 0
     run = only_run(workdir, "t_stats")
+    lines = capsys.readouterr().err.splitlines()
+    summary = [line for line in lines if line.startswith("ember: activation_stats: ")]
+    assert len(summary) == 1 and "residual RMS" in summary[0] and "after layer 29 (prefill)" in summary[0]
+    assert summary[0].endswith("no NaN or inf (records: experiments/activation_stats/)")
     assert run.info.status == "FINISHED" and run.data.params["prompt"] == "Hello there"
     rms = metric_steps(workdir, run, "activation_stats.prefill/after_layer/rms")
     assert sorted(rms) == list(range(30)) and all(v > 0 for v in rms.values())
@@ -226,6 +230,10 @@ def test_failing_experiment_gives_a_failed_run_with_its_record(workdir, capsys):
     assert "experiment 'fail_at_decode' failed in after_mlp (phase=decode, layer=3): planned failure" in err
     run = only_run(workdir, "t_fail")
     assert run.info.status == "FAILED"
+    assert err.strip().splitlines()[-1] == (f"ember: recorded as MLflow run {run.info.run_id} (FAILED) in "
+                                            f"sqlite:///{workdir.resolve() / 'outputs' / 'mlflow.db'}")
+    summary = "ember: fail_at_decode: calls=3; table calls (1 rows) (records: experiments/fail_at_decode/)"
+    assert summary in err
     record = json.loads(artifact(workdir, run, "failure.json").read_text())
     assert record["experiment"] == "fail_at_decode" and record["hook"] == "after_mlp"
     assert record["phase"] == "decode" and record["layer"] == 3
@@ -267,25 +275,95 @@ def test_user_mistakes_give_one_message_and_status_2(workdir, capsys, args, mess
     assert "Traceback" not in err
 
 
-def test_ctrl_c_closes_the_run_as_killed(workdir):
-    process = subprocess.Popen(
+HYDRA_MISTAKES = [
+    (["experiment=zero_layr"], "experiment=zero_layr: no such option (did you mean zero_layer?); experiment "
+                               "takes one of: activation_stats, none, stats_and_zero, steering, zero_layer"),
+    (["max_new_token=5"], "unknown config key 'max_new_token' (did you mean max_new_tokens?); known keys: "),
+    (["sampling.temprature=1"], "unknown config key 'sampling.temprature' (did you mean temperature?); "
+                                "sampling takes: min_p, seed, temperature, top_k, top_p"),
+    (["sampling=greeedy"], "sampling=greeedy: no such option (did you mean greedy?); sampling takes one of: "
+                           "default, greedy"),
+    (["hydra/launcher=jobl"], "hydra/launcher=jobl: no such option (did you mean joblib?)"),
+    (["layer=[1,2"], "cannot read the override 'layer=[1,2'"),
+    (["max_new_tokens"], "'max_new_tokens' has no value: write max_new_tokens=VALUE"),
+    (["experiment="], "experiment= needs an option: experiment takes one of: "),
+    (["layer=1,2"], "layer=1,2 gives several values: add -m to run one job per value"),
+    (["experiments.0.layer=3"], "experiments.0.layer=3: experiments has no item 0"),
+    (["+max_new_tokens=3"], "max_new_tokens is already in the config; set it without the +"),
+    (["prompt=${nothing}"], "prompt: Interpolation key 'nothing' not found"),
+    (["--bogus"], "unrecognized arguments: --bogus"),
+    (["-m", "layer=0,1", "experiment=none,zero_layr"], "experiment=zero_layr: no such option"),
+    (["max_new_tokens=-1"], "max_new_tokens must be at least 0, got -1"),
+]
+
+
+@pytest.mark.parametrize(("args", "message"), HYDRA_MISTAKES)
+def test_hydra_level_mistakes_are_one_line_and_exit_2(workdir, capsys, args, message):
+    assert run_main(*args, "mlflow.experiment_name=t_hydra") == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("ember: ") and message in lines[0], err
+    assert client(workdir).get_experiment_by_name("t_hydra") is None, "nothing recorded"
+
+
+@pytest.mark.parametrize("front_door", [["-m", "ember.run"], ["-m", "ember.cli", "run"]])
+def test_both_front_doors_give_one_line_and_status_2(workdir, front_door):
+    for args, message in (HYDRA_MISTAKES[0], HYDRA_MISTAKES[1]):
+        done = subprocess.run([sys.executable, *front_door, *args], cwd=workdir, env=subprocess_env(),
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 2 and done.stdout == ""
+        assert done.stderr.count("\n") == 1 and done.stderr.startswith("ember: ") and message in done.stderr
+
+
+def test_hydra_full_error_does_not_bypass_the_one_line(workdir):
+    done = subprocess.run([sys.executable, "-m", "ember.run", "max_new_token=5"], cwd=workdir,
+                          env=subprocess_env(HYDRA_FULL_ERROR="1"), capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 2, "the preflight still refuses it in one line"
+    assert done.stderr.startswith("ember: unknown config key 'max_new_token'")
+
+
+def test_max_new_tokens_0_runs_the_prompt_only(workdir):
+    assert run_main("max_new_tokens=0", "experiment=zero_layer", "layer=3",
+                    "mlflow.experiment_name=t_prefill_only") == 0
+    run = only_run(workdir, "t_prefill_only")
+    assert run.data.metrics["tokens.generated"] == 0
+    assert json.loads(artifact(workdir, run, "generation.json").read_text())["token_ids"] == []
+    assert metric_steps(workdir, run, "effect.kl").keys() == {0}, "the prefill's next-token distribution"
+
+
+def start_long_run(workdir: Path, experiment: str, *extra: str, **env: str) -> subprocess.Popen:
+    return subprocess.Popen(
         [sys.executable, "-m", "ember.run", "max_new_tokens=2000", "stop_at_eog=false",
-         "mlflow.experiment_name=t_kill"],
-        cwd=workdir, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+         f"mlflow.experiment_name={experiment}", *extra],
+        cwd=workdir, env=subprocess_env(**env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
     )
+
+
+def wait_for_checkpoint(workdir: Path, process: subprocess.Popen, experiment: str, tokens: int) -> str:
+    """The run's id once its generation.json checkpoint holds at least `tokens` tokens."""
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            pytest.fail(f"the run ended early ({process.returncode}): {process.communicate()[1]}")
+        found = client(workdir).get_experiment_by_name(experiment)
+        runs = client(workdir).search_runs([found.experiment_id]) if found else []
+        if runs:
+            local = Path(runs[0].info.artifact_uri.removeprefix("file://")) / "generation.json"
+            try:
+                if len(json.loads(local.read_text())["token_ids"]) >= tokens:
+                    return runs[0].info.run_id
+            except (OSError, ValueError, KeyError):
+                pass
+        time.sleep(0.2)
+    pytest.fail("no checkpoint appeared")
+
+
+def test_ctrl_c_closes_the_run_as_killed_with_the_text_shown(workdir):
+    process = start_long_run(workdir, "t_kill", EMBER_CHECKPOINT_SECONDS="0.5")
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                pytest.fail(f"the run ended early ({process.returncode}): {process.communicate()[1]}")
-            found = client(workdir).get_experiment_by_name("t_kill")
-            runs = client(workdir).search_runs([found.experiment_id]) if found else []
-            if runs and runs[0].data.tags.get("ember.model_cache"):  # the model is loaded, generating
-                break
-            time.sleep(0.5)
-        else:
-            pytest.fail("the run never started")
-        time.sleep(1.0)
+        run_id = wait_for_checkpoint(workdir, process, "t_kill", 3)
         process.send_signal(signal.SIGINT)
         out, err = process.communicate(timeout=60)
     finally:
@@ -293,8 +371,45 @@ def test_ctrl_c_closes_the_run_as_killed(workdir):
             process.kill()
     assert process.returncode == 130, err
     run = only_run(workdir, "t_kill")
-    assert run.info.status == "KILLED"
+    assert run.info.status == "KILLED" and run.info.run_id == run_id
+    record = json.loads(artifact(workdir, run, "generation.json").read_text())
+    assert record["stop_reason"] == "interrupted" and record["complete"] is False
+    assert out == "The capital of France is" + record["text"], "the run keeps exactly the text shown"
+    assert len(record["token_ids"]) >= 3
+    assert artifact(workdir, run, "generation.txt").read_text() == record["text"]
+    lines = err.strip().splitlines()
+    kept = len(record["token_ids"])
+    assert lines[-2] == f"ember: interrupted (after {kept} generated tokens, kept in the run)"
+    assert lines[-1] == (f"ember: recorded as MLflow run {run_id} (KILLED) in "
+                         f"sqlite:///{workdir.resolve() / 'outputs' / 'mlflow.db'}")
     assert "Traceback" not in err
+
+
+def test_sigkill_keeps_the_last_checkpoint_and_the_next_command_closes_the_run(workdir):
+    process = start_long_run(workdir, "t_sigkill", "experiment=activation_stats",
+                             EMBER_CHECKPOINT_SECONDS="0.3")
+    try:
+        run_id = wait_for_checkpoint(workdir, process, "t_sigkill", 4)
+        os.killpg(process.pid, signal.SIGKILL)  # as the OOM killer would
+        process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert only_run(workdir, "t_sigkill").info.status == "RUNNING"
+    from ember import tracking
+
+    store = f"sqlite:///{workdir / 'outputs' / 'mlflow.db'}"
+    repaired = tracking.repair_store(client(workdir), store)
+    assert [r.run_id for r in repaired] == [run_id]
+    run = only_run(workdir, "t_sigkill")
+    assert run.info.status == "KILLED" and run.info.end_time >= run.info.start_time
+    record = json.loads(artifact(workdir, run, "generation.json").read_text())
+    assert record["stop_reason"] == "in progress" and len(record["token_ids"]) >= 4
+    assert record["text"] and record["complete"] is False
+    metrics = json.loads(artifact(workdir, run, "experiments/activation_stats/metrics.json").read_text())
+    assert metrics and {"name", "value", "step"} <= set(metrics[0])
+    assert any(path.startswith("experiments/activation_stats/") and path.endswith(".csv")
+               for path in artifact_paths(workdir, run))
 
 
 # ------------------------------------------------------------------------------------ sweeps
@@ -320,6 +435,13 @@ def test_sweep_is_one_parent_run_and_reuses_the_loaded_model(workdir, capsys):
                         "mlflow.experiment_name=t_sweep" for i in range(4)]
     parent, children = sweep_runs(workdir, "t_sweep")
     assert parent.info.status == "FINISHED" and len(children) == 4
+    store = f"sqlite:///{workdir.resolve() / 'outputs' / 'mlflow.db'}"
+    assert err.strip().splitlines()[-1].endswith(f"; parent MLflow run {parent.info.run_id} in {store}")
+    for child in children:
+        assert f"recorded as MLflow run {child.info.run_id} (FINISHED) in {store}" in err
+    assert {r.data.tags["mlflow.source.name"] for r in [parent, *children]} == {"ember.run"}
+    experiment = client(workdir).get_experiment_by_name("t_sweep")
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
     assert [c.data.params["experiments.0.layer"] for c in children] == ["0", "1", "2", "3"]
     assert all(c.info.status == "FINISHED" for c in children)
     assert [c.data.tags["ember.model_cache"] for c in children] == ["miss", "hit", "hit", "hit"]

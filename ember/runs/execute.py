@@ -16,10 +16,12 @@ from ember.experiments import ExperimentFailure
 from ember.provenance import config_digest, environment_tags, flatten
 from ember.runconfig import describe_error
 from ember.runs import models
+from ember.runs.checkpoint import Checkpoints
 from ember.runs.effect import LogitsRecorder, measure_effect, record_effect
 from ember.runs.job import JobInfo, threads_for
 from ember.runs.prepare import Prepared, prepare
 from ember.runs.records import Recorder, generation_metrics, generation_record, model_tags
+from ember.runs.summary import experiment_summary
 from ember.tracking import FAILED, FINISHED, KILLED
 
 # Exit statuses.
@@ -59,7 +61,7 @@ def execute(cfg: DictConfig) -> int:
             status = FINISHED if code == EXIT_OK else FAILED
     except KeyboardInterrupt:
         status, code, detail = KILLED, EXIT_INTERRUPTED, "interrupted"
-        say(f"ember: {where}interrupted; the run is recorded as KILLED")
+        say(f"\nember: {where}interrupted" + (f" ({recorder.kept})" if recorder.kept else ""))
         raise
     except EmberError as error:
         detail = str(error)
@@ -78,6 +80,10 @@ def execute(cfg: DictConfig) -> int:
     finally:
         try:
             recorder.close(status)
+            if recorder.last_run_id is not None:
+                waiting = recorder.tracker.outbox_of(recorder.last_run_id) if recorder.tracker else None
+                say(f"ember: {where}recorded as MLflow run {recorder.last_run_id} ({status}) in "
+                    f"{recorder.store_uri}" + (f"; records waiting for it in {waiting}" if waiting else ""))
         except Exception as error:
             say(f"ember: {where}could not close the MLflow run as {status}: {describe_error(error)}")
             code = code or EXIT_FAILED
@@ -95,7 +101,7 @@ def _run_prepared(prepared: Prepared, job: JobInfo, recorder: Recorder, threads:
             "ember.config_digest": config_digest(prepared.plain),
             "ember.threads": str(threads), "ember.workers": str(job.workers),
             "ember.experiments": ",".join(e.name for e in prepared.experiments) or "none",
-            "mlflow.source.git.commit": environment_tags()["ember.git_commit"]}
+            "mlflow.source.git.commit": environment_tags()["ember.git_commit"], **tracking.SOURCE_TAGS}
     recorder.start(prepared.run_name, tags, flatten(prepared.plain))
     recorder.log_text(OmegaConf.to_yaml(OmegaConf.create(prepared.plain)), "config.yaml")
 
@@ -115,15 +121,25 @@ def _run_prepared(prepared: Prepared, job: JobInfo, recorder: Recorder, threads:
     from ember.tracing import Tracer
 
     tracer = Tracer(layers=run.trace_layers) if run.tracing else None
+    checkpoints = Checkpoints(recorder, prepared.prompt_ids, prepared.experiments, show=stream)
     try:
         generation = model.generate(
             prepared.prompt_ids, max_new_tokens=run.max_new_tokens, temperature=run.sampling.temperature,
             top_k=run.sampling.top_k, top_p=run.sampling.top_p, min_p=run.sampling.min_p,
-            seed=run.sampling.seed, experiments=experiments, on_text=stream, tracer=tracer,
-            stop_at_eog=run.stop_at_eog,
+            seed=run.sampling.seed, experiments=experiments, on_text=checkpoints.on_text,
+            on_token=checkpoints.on_token, tracer=tracer, stop_at_eog=run.stop_at_eog,
         )
     except ExperimentFailure as error:
         failure, generation = error, error.generation
+    except KeyboardInterrupt:  # keep what was shown, and the experiments' results so far
+        recorder.kept = f"after {len(checkpoints.token_ids)} generated tokens, kept in the run"
+        checkpoints.write("interrupted")
+        for experiment in prepared.experiments:
+            try:
+                recorder.result(str(experiment.name), experiment.results())
+            except Exception:
+                pass
+        raise
     if stream is not None:
         print(flush=True)
 
@@ -134,6 +150,7 @@ def _run_prepared(prepared: Prepared, job: JobInfo, recorder: Recorder, threads:
         for name, result in generation.experiment_results.items():
             if name != LogitsRecorder.name:
                 recorder.result(name, result)
+                say(f"ember: {where}{experiment_summary(name, result)}")
     if tracer is not None:
         recorder.log_json(tracer.to_json(), "trace.json")
 
@@ -163,8 +180,6 @@ def _run_prepared(prepared: Prepared, job: JobInfo, recorder: Recorder, threads:
         say(f"ember: {where}{prepared.run_name}: {generation.text!r} ({summary})")
     else:
         say(f"ember: {prepared.run_name}: {summary}")
-    if recorder.run_id is not None and recorder.tracker is not None:
-        say(f"ember: recorded as MLflow run {recorder.run_id} in {recorder.tracker.store.tracking_uri}")
     return EXIT_OK, ""
 
 
@@ -179,7 +194,7 @@ def _record_invalid_job(cfg: DictConfig, job: JobInfo, error: str) -> None:
         except Exception:
             plain = {}
         recorder.start(f"invalid config: {' '.join(job.overrides)}",
-                       {**environment_tags(), "ember.error": error}, flatten(plain))
+                       {**environment_tags(), **tracking.SOURCE_TAGS, "ember.error": error}, flatten(plain))
         recorder.close(FAILED)
     except Exception as failure:  # MLflow unreachable: the job status file still tells the sweep
         say(f"ember: job #{job.number}: could not record the failure in MLflow: {describe_error(failure)}")

@@ -17,6 +17,9 @@ class Recorder:
         self.settings = settings
         self.tracker: tracking.Tracker | None = None
         self.run_id: str | None = None
+        self.last_run_id: str | None = None  # kept after close, for the console line naming the run
+        self.store_uri = ""
+        self.kept = ""  # what an interrupted job kept, for its console line
         self.job = job
 
     def start(self, name: str, tags: dict[str, Any], params: dict[str, Any]) -> None:
@@ -28,7 +31,8 @@ class Recorder:
         if self.job.multirun:
             job_tags.update({"ember.job": str(self.job.number), "ember.sweep_dir": str(self.job.sweep_dir)})
         job_tags["ember.overrides"] = " ".join(self.job.overrides)
-        self.run_id = self.tracker.start_run(name, job_tags, parent)
+        self.run_id = self.last_run_id = self.tracker.start_run(name, job_tags, parent)
+        self.store_uri = self.tracker.store.tracking_uri
         self.tracker.log_params(self.run_id, {**params, "hydra.overrides": " ".join(self.job.overrides)})
 
     def __getattr__(self, method: str) -> Any:

@@ -1,0 +1,693 @@
+"""Synthetic GGUF files of real model shapes: random quantized blocks in llama.cpp's Q4_K_M type mix.
+
+    python -m benchmarks.synthetic --shape llama-3.2-1b              # into <ember cache>/synthetic/
+    python -m benchmarks.synthetic --shape all --out /some/dir
+    python -m benchmarks.synthetic --list
+    python -m benchmarks.synthetic --check               # llama.cpp loads each file and generates
+
+The files measure speed and memory at sizes no PyPI wheel ships: every tensor has the real name, shape
+and type a `llama-quantize ... Q4_K_M` file of that model has, and the vocabulary is a real one, but the
+weights are random. They are written straight as quantized blocks (random bytes with every block's f16
+scale fields overwritten by one small finite value), streamed to disk a chunk at a time, so an 8B file
+takes seconds and little memory and no float32 copy of a matrix ever exists.
+
+Scales: each matrix gets the block scale that gives its dequantized values a standard deviation of
+1/sqrt(columns) (columns = the input width, GGUF `ne0`), so every product keeps activations near unit
+size and both engines produce finite logits. Norm weights are 1; Gemma 4's Q/K norm weights are
+head_dim^-1/4 because its attention applies no 1/sqrt(head_dim) scale.
+
+Generation is deterministic (a seeded stream per tensor). A sidecar `<file>.json` records the generator
+version, the shape, the seed, the size and the sha256; a file whose sidecar matches is not written
+again (`--verify` re-hashes it).
+
+Facts and where they come from:
+
+* Shapes: the models' Hugging Face config.json files (meta-llama/Llama-3.2-1B, meta-llama/Llama-3.1-8B,
+  Qwen/Qwen3-0.6B, Qwen/Qwen3-4B, google/gemma-4-E2B text_config), read as copies in public repositories.
+* Metadata keys and generated tensors (`rope_freqs.weight` for Llama 3 rope scaling and for Gemma 4's
+  proportional rope): llama.cpp's converter (`conversion/llama.py`, `qwen.py`, `gemma.py`), as written
+  up in families.md and mirrored by tests/reference/gguf_writer.py and gemma4_gguf.py.
+* Types: llama.cpp `src/llama-quant.cpp` (the copy vendored in llama-cpp-python 0.3.36), for
+  LLAMA_FTYPE_MOSTLY_Q4_K_M: default Q4_K; `output.weight`, and the token embeddings (both
+  `token_embd` and `per_layer_token_embd`) when the head is tied, Q6_K (Q8_0 if a row does not split
+  into 256-blocks); `attn_v` Q6_K where use_more_bits(i, n) holds over the attn_v tensors in file order,
+  `ffn_down` where it holds over the layer index; use_more_bits(i, n) = i < n/8 or i >= 7n/8 or
+  (i - n/8) % 3 == 2; a row that does not split into 256-blocks falls back Q4_K -> Q5_0, Q6_K -> Q8_0;
+  1-D tensors and `*_norm.weight` stay F32 and `per_layer_model_proj` is not quantized (it stays in the
+  converted file's type, BF16 for Gemma 4's bf16 checkpoint). Tensors are written in the order
+  llama-quantize writes them: by layer (non-layer tensors first), then by name.
+* Vocabulary: llama.cpp's vocab-only GGUFs in tests/data/vocab/ (tokens, scores, types, merges,
+  pre-tokenizer, special ids, chat template): `llama-bpe` for Llama 3, `qwen2` (151936 rows, Qwen3's
+  pre-tokenizer) for Qwen3 with Qwen3's end-of-turn id 151645, `gemma-4` for Gemma 4.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import sys
+import time
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+from gguf import GGMLQuantizationType as Q
+from gguf import GGUFValueType as V
+
+# Bump when the bytes a shape and seed produce change.
+GENERATOR_VERSION = "1"
+DEFAULT_SEED = 0
+REPO_ROOT = Path(__file__).resolve().parents[1]
+VOCAB_DIR = REPO_ROOT / "tests" / "data" / "vocab"
+_CHUNK_BYTES = 64 << 20
+_QK_K = 256
+
+SLIDING, FULL = "sliding", "full"
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One model's architecture facts, as its config.json gives them (HF names in comments)."""
+
+    name: str
+    title: str
+    architecture: str  # GGUF general.architecture: llama, qwen3, gemma4
+    hidden_size: int
+    layer_count: int  # num_hidden_layers
+    head_count: int  # num_attention_heads
+    head_count_kv: int  # num_key_value_heads
+    head_dim: int  # head_dim (Gemma 4: sliding layers)
+    ffn: int  # intermediate_size
+    vocab: str  # vocab-only GGUF in tests/data/vocab/ (ggml-vocab-<vocab>.gguf)
+    vocab_size: int
+    tied: bool  # tie_word_embeddings
+    context_length: int  # max_position_embeddings
+    rope_base: float  # rope_theta (Gemma 4: full layers)
+    rms_eps: float
+    config_has_head_dim: bool = True  # the converter writes attention.key_length only then
+    llama3_rope: tuple[float, float, float, int] | None = None  # factor, low_freq, high_freq, original ctx
+    special_ids: tuple[tuple[str, int], ...] = ()  # overrides of the vocab file's special ids
+    source: str = ""
+    # Gemma 4
+    head_dim_full: int = 0  # global_head_dim
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int = 0
+    per_layer_dim: int = 0  # hidden_size_per_layer_input
+    shared_kv_layers: int = 0  # num_kv_shared_layers
+    double_wide_mlp: bool = False  # use_double_wide_mlp: KV-shared layers have 2x the FFN width
+    rope_base_swa: float = 10_000.0
+    partial_rotary: float = 1.0  # full layers' partial_rotary_factor ("proportional" rope)
+    softcap: float = 0.0  # final_logit_softcapping
+
+    @property
+    def first_shared_layer(self) -> int:
+        return self.layer_count - self.shared_kv_layers
+
+    def is_full(self, layer: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[layer] == FULL
+
+    def layer_head_dim(self, layer: int) -> int:
+        return self.head_dim_full if self.is_full(layer) else self.head_dim
+
+    def owns_kv(self, layer: int) -> bool:
+        return layer < self.first_shared_layer
+
+    def layer_ffn(self, layer: int) -> int:
+        return self.ffn * (2 if self.double_wide_mlp and not self.owns_kv(layer) else 1)
+
+    def file_name(self, seed: int = DEFAULT_SEED) -> str:
+        return f"{self.name}-synthetic-Q4_K_M-seed{seed}.gguf"
+
+
+def _gemma4_e2b_layers() -> tuple[str, ...]:
+    return tuple(FULL if i % 5 == 4 else SLIDING for i in range(35))  # full at 4, 9, ..., 34
+
+
+SHAPES: dict[str, Shape] = {
+    "llama-3.2-1b": Shape(
+        "llama-3.2-1b", "Llama-3.2-1B", "llama", hidden_size=2048, layer_count=16, head_count=32,
+        head_count_kv=8, head_dim=64, ffn=8192, vocab="llama-bpe", vocab_size=128256, tied=True,
+        context_length=131072, rope_base=500000.0, rms_eps=1e-5, llama3_rope=(32.0, 1.0, 4.0, 8192),
+        source="meta-llama/Llama-3.2-1B config.json"),
+    "llama-3.1-8b": Shape(
+        "llama-3.1-8b", "Llama-3.1-8B", "llama", hidden_size=4096, layer_count=32, head_count=32,
+        head_count_kv=8, head_dim=128, ffn=14336, vocab="llama-bpe", vocab_size=128256, tied=False,
+        context_length=131072, rope_base=500000.0, rms_eps=1e-5, config_has_head_dim=False,
+        llama3_rope=(8.0, 1.0, 4.0, 8192), source="meta-llama/Llama-3.1-8B config.json"),
+    "qwen3-0.6b": Shape(
+        "qwen3-0.6b", "Qwen3-0.6B", "qwen3", hidden_size=1024, layer_count=28, head_count=16,
+        head_count_kv=8, head_dim=128, ffn=3072, vocab="qwen2", vocab_size=151936, tied=True,
+        context_length=40960, rope_base=1_000_000.0, rms_eps=1e-6,
+        special_ids=(("eos", 151645), ("bos", 151643), ("pad", 151643)),
+        source="Qwen/Qwen3-0.6B config.json"),
+    "qwen3-4b": Shape(
+        "qwen3-4b", "Qwen3-4B", "qwen3", hidden_size=2560, layer_count=36, head_count=32,
+        head_count_kv=8, head_dim=128, ffn=9728, vocab="qwen2", vocab_size=151936, tied=True,
+        context_length=40960, rope_base=1_000_000.0, rms_eps=1e-6,
+        special_ids=(("eos", 151645), ("bos", 151643), ("pad", 151643)),
+        source="Qwen/Qwen3-4B config.json"),
+    "gemma-4-e2b": Shape(
+        "gemma-4-e2b", "Gemma-4-E2B", "gemma4", hidden_size=1536, layer_count=35, head_count=8,
+        head_count_kv=1, head_dim=256, ffn=6144, vocab="gemma-4", vocab_size=262144, tied=True,
+        context_length=131072, rope_base=1_000_000.0, rms_eps=1e-6, head_dim_full=512,
+        layer_types=_gemma4_e2b_layers(), sliding_window=512, per_layer_dim=256, shared_kv_layers=20,
+        double_wide_mlp=True, rope_base_swa=10_000.0, partial_rotary=0.25, softcap=30.0,
+        source="google/gemma-4-E2B config.json text_config"),
+}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Tensor plan: names, shapes, types, initial values.
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    name: str
+    shape: tuple[int, ...]  # NumPy order: (rows, columns); GGUF ne is the reverse
+    qtype: Q
+    fill: str  # "random" (matrices), "const" (vectors of `value`), "values" (given)
+    value: float = 1.0
+    values: tuple[float, ...] = field(default=(), repr=False)
+
+    @property
+    def columns(self) -> int:
+        return self.shape[-1]
+
+    @property
+    def elements(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        block, size = gguf.GGML_QUANT_SIZES[self.qtype]
+        return self.elements // block * size
+
+
+def use_more_bits(i: int, n: int) -> bool:
+    """llama-quant.cpp's rule for the layers that get more bits in the *_M mixes."""
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def _fallback(qtype: Q, columns: int) -> Q:
+    """llama-quant.cpp's fallback for rows that do not split into the type's blocks."""
+    if columns % gguf.GGML_QUANT_SIZES[qtype][0] == 0:
+        return qtype
+    smaller = {Q.Q4_K: Q.Q5_0, Q.Q6_K: Q.Q8_0}[qtype]
+    return smaller if columns % gguf.GGML_QUANT_SIZES[smaller][0] == 0 else Q.F16
+
+
+def q4_k_m_type(name: str, shape: tuple[int, ...], *, tied: bool, attn_v: tuple[int, int] | None,
+                layer: tuple[int, int] | None) -> Q:
+    """The type llama-quantize gives `name` in a Q4_K_M file (see the module docstring).
+
+    `attn_v` is (index among the attn_v tensors, their count) for an attn_v tensor; `layer` is
+    (layer index, layer count) for an ffn_down tensor."""
+    if len(shape) < 2 or name.endswith("_norm.weight"):
+        return Q.F32
+    if "per_layer_model_proj" in name:
+        return Q.BF16
+    columns = shape[-1]
+    if name == "output.weight" or (tied and name in ("token_embd.weight", "per_layer_token_embd.weight")):
+        return Q.Q6_K if columns % _QK_K == 0 else Q.Q8_0
+    qtype = Q.Q4_K
+    if attn_v is not None and use_more_bits(*attn_v):
+        qtype = Q.Q6_K
+    if layer is not None and use_more_bits(*layer):
+        qtype = Q.Q6_K
+    return _fallback(qtype, columns)
+
+
+def llama3_rope_factors(shape: Shape) -> tuple[float, ...]:
+    """The converter's `rope_freqs.weight` for HF rope_type "llama3" (families.md §1.3)."""
+    assert shape.llama3_rope is not None
+    factor, low, high, old_context = shape.llama3_rope
+    factors = []
+    for i in range(0, shape.head_dim, 2):
+        wavelength = 2 * math.pi * shape.rope_base ** (i / shape.head_dim)
+        if wavelength < old_context / high:
+            factors.append(1.0)
+        elif wavelength > old_context / low:
+            factors.append(factor)
+        else:
+            smooth = (old_context / wavelength - low) / (high - low)
+            factors.append(1.0 / ((1.0 - smooth) / factor + smooth))
+    return tuple(factors)
+
+
+def _layer_tensors(shape: Shape, i: int) -> Iterator[tuple[str, tuple[int, ...], float]]:
+    """(name, NumPy shape, norm value) of layer i; the value only matters for vectors."""
+    H, nh = shape.hidden_size, shape.head_count
+    hd = shape.layer_head_dim(i)
+    b = f"blk.{i}."
+    qk_norm = hd ** -0.25 if shape.architecture == "gemma4" else 1.0
+    yield b + "attn_norm.weight", (H,), 1.0
+    yield b + "attn_q.weight", (nh * hd, H), 0.0
+    own = shape.owns_kv(i)
+    if own:
+        yield b + "attn_k.weight", (shape.head_count_kv * hd, H), 0.0
+        yield b + "attn_v.weight", (shape.head_count_kv * hd, H), 0.0
+    if shape.architecture in ("qwen3", "gemma4"):
+        yield b + "attn_q_norm.weight", (hd,), qk_norm
+        if own:
+            yield b + "attn_k_norm.weight", (hd,), qk_norm
+    yield b + "attn_output.weight", (H, nh * hd), 0.0
+    F = shape.layer_ffn(i)
+    yield b + "ffn_norm.weight", (H,), 1.0
+    yield b + "ffn_gate.weight", (F, H), 0.0
+    yield b + "ffn_up.weight", (F, H), 0.0
+    yield b + "ffn_down.weight", (H, F), 0.0
+    if shape.architecture == "gemma4":
+        yield b + "post_attention_norm.weight", (H,), 1.0
+        yield b + "post_ffw_norm.weight", (H,), 1.0
+        yield b + "layer_output_scale.weight", (1,), 1.0
+        if shape.per_layer_dim:
+            yield b + "inp_gate.weight", (shape.per_layer_dim, H), 0.0
+            yield b + "proj.weight", (H, shape.per_layer_dim), 0.0
+            yield b + "post_norm.weight", (H,), 1.0
+
+
+def _global_tensors(shape: Shape) -> Iterator[tuple[str, tuple[int, ...], float, tuple[float, ...]]]:
+    H, V_ = shape.hidden_size, shape.vocab_size
+    yield "token_embd.weight", (V_, H), 0.0, ()
+    yield "output_norm.weight", (H,), 1.0, ()
+    if not shape.tied:
+        yield "output.weight", (V_, H), 0.0, ()
+    if shape.llama3_rope is not None:
+        yield "rope_freqs.weight", (shape.head_dim // 2,), 0.0, llama3_rope_factors(shape)
+    if shape.architecture == "gemma4":
+        if any(shape.is_full(i) for i in range(shape.layer_count)):
+            rotated = int(shape.head_dim_full * shape.partial_rotary / 2)
+            freqs = (1.0,) * rotated + (1e30,) * (shape.head_dim_full // 2 - rotated)
+            yield "rope_freqs.weight", (shape.head_dim_full // 2,), 0.0, freqs
+        if shape.per_layer_dim:
+            LP = shape.layer_count * shape.per_layer_dim
+            yield "per_layer_token_embd.weight", (V_, LP), 0.0, ()
+            yield "per_layer_model_proj.weight", (LP, H), 0.0, ()
+            yield "per_layer_proj_norm.weight", (shape.per_layer_dim,), 1.0, ()
+
+
+def _order_key(name: str) -> tuple[int, str]:
+    """llama.cpp's weight order (llama_model_loader::weight_name_comparer): by layer, then by name."""
+    layer = int(name.split(".")[1]) if name.startswith("blk.") else -1
+    return layer, name
+
+
+def tensor_plan(shape: Shape) -> list[TensorPlan]:
+    """Every tensor of the shape's Q4_K_M file, in file order."""
+    entries: list[tuple[str, tuple[int, ...], float, tuple[float, ...]]] = list(_global_tensors(shape))
+    for i in range(shape.layer_count):
+        entries += [(name, dims, value, ()) for name, dims, value in _layer_tensors(shape, i)]
+    entries.sort(key=lambda entry: _order_key(entry[0]))
+    attn_v_names = [name for name, *_ in entries if name.endswith("attn_v.weight")]
+    plans = []
+    for name, dims, value, values in entries:
+        attn_v = (attn_v_names.index(name), len(attn_v_names)) if name in attn_v_names else None
+        layer = (_order_key(name)[0], shape.layer_count) if name.endswith("ffn_down.weight") else None
+        qtype = q4_k_m_type(name, dims, tied=shape.tied, attn_v=attn_v, layer=layer)
+        fill = "values" if values else ("const" if len(dims) == 1 else "random")
+        plans.append(TensorPlan(name, dims, qtype, fill, value, values))
+    return plans
+
+
+def parameter_count(shape: Shape) -> int:
+    return sum(plan.elements for plan in tensor_plan(shape))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Random blocks.
+
+# Standard deviation of the dequantized values of uniformly random block bytes when the f16 block scale
+# is 1 (Q4_K: dmin = 7.5 d, which makes the expected value 0). Derived from the block formulas:
+#   Q4_K  x = d*sc*q - dmin*m, sc, m uniform 0..63, q uniform 0..15 (sc*q - 7.5*m has variance 66727)
+#   Q6_K  x = d*s*(q - 32), s int8 uniform -128..127, q uniform 0..63
+#   Q5_0  x = d*(q - 16), q uniform 0..31;  Q8_0  x = d*q, q int8
+# and checked against gguf-py's dequantize in tests/test_synthetic.py.
+_Q4_K_DMIN_RATIO = 7.5
+_UNIT_STD = {
+    Q.Q4_K: math.sqrt((63 * 127 / 6) * (15 * 31 / 6) - (31.5 * 7.5) ** 2 + 7.5**2 * (64**2 - 1) / 12),
+    Q.Q6_K: math.sqrt((128**2 * 2 + 1) / 6 * ((64**2 - 1) / 12 + 0.25)),
+    Q.Q5_0: math.sqrt((32**2 - 1) / 12 + 0.25),
+    Q.Q8_0: math.sqrt((256**2 - 1) / 12 + 0.25),
+}
+# Byte offset of the f16 scale(s) inside each block.
+_SCALE_FIELDS = {Q.Q4_K: (0, 2), Q.Q6_K: (208,), Q.Q5_0: (0,), Q.Q8_0: (0,)}
+
+
+def _tensor_rng(name: str, seed: int) -> np.random.Generator:
+    return np.random.Generator(np.random.SFC64(np.random.SeedSequence([seed, zlib.crc32(name.encode())])))
+
+
+def _random_bytes(rng: np.random.Generator, count: int) -> np.ndarray:
+    words = rng.bit_generator.random_raw((count + 7) // 8)
+    return words.view(np.uint8)[:count]
+
+
+def quantized_chunks(plan: TensorPlan, seed: int, std: float) -> Iterator[np.ndarray]:
+    """The tensor's bytes, a chunk of whole rows at a time: random blocks, every scale set to one value."""
+    block, size = gguf.GGML_QUANT_SIZES[plan.qtype]
+    rows, columns = plan.elements // plan.columns, plan.columns
+    row_bytes = columns // block * size
+    d = np.float16(std / _UNIT_STD[plan.qtype])
+    if not np.isfinite(d) or d == 0:
+        raise ValueError(f"{plan.name}: block scale {float(d)} for std {std} is not a usable f16")
+    scales = np.array([d, np.float16(d * _Q4_K_DMIN_RATIO)] if plan.qtype == Q.Q4_K else [d])
+    scale_bytes = scales.view(np.uint8)
+    rng = _tensor_rng(plan.name, seed)
+    rows_per_chunk = max(1, _CHUNK_BYTES // row_bytes)
+    for start in range(0, rows, rows_per_chunk):
+        n = min(rows_per_chunk, rows - start)
+        blocks = _random_bytes(rng, n * row_bytes).reshape(-1, size)
+        for k, offset in enumerate(_SCALE_FIELDS[plan.qtype]):
+            blocks[:, offset:offset + 2] = scale_bytes[2 * k:2 * k + 2]
+        yield blocks.reshape(-1)
+
+
+def float_chunks(plan: TensorPlan, seed: int, std: float) -> Iterator[np.ndarray]:
+    """F32/F16/BF16 tensors: constants, given values, or normal random values a chunk of rows at a time."""
+    if plan.fill == "values":
+        data = np.asarray(plan.values, dtype=np.float32).reshape(plan.shape)
+        yield _encode_float(data, plan.qtype)
+        return
+    if plan.fill == "const":
+        yield _encode_float(np.full(plan.shape, plan.value, dtype=np.float32), plan.qtype)
+        return
+    rng = _tensor_rng(plan.name, seed)
+    rows, columns = plan.elements // plan.columns, plan.columns
+    rows_per_chunk = max(1, (_CHUNK_BYTES // 4) // columns)
+    for start in range(0, rows, rows_per_chunk):
+        n = min(rows_per_chunk, rows - start)
+        yield _encode_float(rng.standard_normal((n, columns), dtype=np.float32) * np.float32(std), plan.qtype)
+
+
+def _encode_float(data: np.ndarray, qtype: Q) -> np.ndarray:
+    if qtype == Q.F32:
+        return data.astype(np.float32).reshape(-1).view(np.uint8)
+    if qtype == Q.F16:
+        return data.astype(np.float16).reshape(-1).view(np.uint8)
+    if qtype == Q.BF16:  # round to nearest even on the upper 16 bits
+        bits = np.ascontiguousarray(data, dtype=np.float32).reshape(-1).view(np.uint32)
+        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+        return rounded.view(np.uint8)
+    raise ValueError(f"no float encoding for {qtype.name}")
+
+
+def tensor_chunks(plan: TensorPlan, seed: int) -> Iterator[np.ndarray]:
+    std = 1.0 / math.sqrt(plan.columns)
+    if plan.qtype in _UNIT_STD:
+        return quantized_chunks(plan, seed, std)
+    return float_chunks(plan, seed, std)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Vocabulary and metadata.
+
+_VOCAB_KEYS: dict[str, tuple[V, V | None]] = {
+    "tokenizer.ggml.model": (V.STRING, None),
+    "tokenizer.ggml.pre": (V.STRING, None),
+    "tokenizer.ggml.tokens": (V.ARRAY, V.STRING),
+    "tokenizer.ggml.scores": (V.ARRAY, V.FLOAT32),
+    "tokenizer.ggml.token_type": (V.ARRAY, V.INT32),
+    "tokenizer.ggml.merges": (V.ARRAY, V.STRING),
+    "tokenizer.ggml.bos_token_id": (V.UINT32, None),
+    "tokenizer.ggml.eos_token_id": (V.UINT32, None),
+    "tokenizer.ggml.unknown_token_id": (V.UINT32, None),
+    "tokenizer.ggml.padding_token_id": (V.UINT32, None),
+    "tokenizer.ggml.mask_token_id": (V.UINT32, None),
+    "tokenizer.ggml.add_bos_token": (V.BOOL, None),
+    "tokenizer.ggml.add_eos_token": (V.BOOL, None),
+    "tokenizer.ggml.add_space_prefix": (V.BOOL, None),
+    "tokenizer.chat_template": (V.STRING, None),
+}
+_SPECIAL_KEYS = {"bos": "bos_token_id", "eos": "eos_token_id", "unk": "unknown_token_id",
+                 "pad": "padding_token_id", "mask": "mask_token_id"}
+
+
+def vocabulary(shape: Shape) -> dict[str, Any]:
+    """The tokenizer keys of the shape's vocab file, padded to the model's rows, specials overridden."""
+    from ember.gguf_file import GGUFFile
+
+    path = VOCAB_DIR / f"ggml-vocab-{shape.vocab}.gguf"
+    source = GGUFFile.open(path)
+    values = {key: source.get(key) for key in _VOCAB_KEYS if source.get(key) is not None}
+    tokens = list(values["tokenizer.ggml.tokens"])
+    if len(tokens) > shape.vocab_size:
+        raise ValueError(f"{path.name} has {len(tokens)} tokens, more than {shape.title}'s "
+                         f"{shape.vocab_size}")
+    # The converter pads a vocabulary shorter than the embedding with unused "[PAD<id>]" tokens.
+    missing = range(len(tokens), shape.vocab_size)
+    values["tokenizer.ggml.tokens"] = tokens + [f"[PAD{i}]" for i in missing]
+    values["tokenizer.ggml.token_type"] = [int(t) for t in values["tokenizer.ggml.token_type"]] + [
+        int(gguf.TokenType.UNUSED)] * len(missing)
+    if "tokenizer.ggml.scores" in values:
+        scores = [float(s) for s in values["tokenizer.ggml.scores"]]
+        values["tokenizer.ggml.scores"] = scores + [0.0] * len(missing)
+    values["tokenizer.ggml.merges"] = list(values.get("tokenizer.ggml.merges", []))
+    for special, token_id in shape.special_ids:
+        values["tokenizer.ggml." + _SPECIAL_KEYS[special]] = token_id
+    return values
+
+
+def _write_metadata(writer: gguf.GGUFWriter, shape: Shape, seed: int) -> None:
+    w, L = writer, shape.layer_count
+    w.add_type(gguf.GGUFType.MODEL)
+    w.add_name(f"{shape.title} (synthetic: random Q4_K_M blocks)")
+    w.add_string("ember.synthetic.shape", shape.name)
+    w.add_string("ember.synthetic.source", shape.source)
+    w.add_uint32("ember.synthetic.seed", seed)
+    w.add_string("ember.synthetic.generator", GENERATOR_VERSION)
+    w.add_block_count(L)
+    w.add_context_length(shape.context_length)
+    w.add_embedding_length(shape.hidden_size)
+    if shape.double_wide_mlp:
+        w.add_feed_forward_length([shape.layer_ffn(i) for i in range(L)])
+    else:
+        w.add_feed_forward_length(shape.ffn)
+    w.add_head_count(shape.head_count)
+    w.add_head_count_kv(shape.head_count_kv)
+    w.add_rope_freq_base(shape.rope_base)
+    w.add_layer_norm_rms_eps(shape.rms_eps)
+    w.add_file_type(int(gguf.LlamaFileType.MOSTLY_Q4_K_M))
+    if shape.architecture == "llama":
+        w.add_vocab_size(shape.vocab_size)
+        w.add_rope_dimension_count(shape.head_dim)
+    if shape.architecture in ("llama", "qwen3") and shape.config_has_head_dim:
+        w.add_key_length(shape.head_dim)
+        w.add_value_length(shape.head_dim)
+    if shape.architecture == "gemma4":
+        w.add_key_length(shape.head_dim_full)
+        w.add_value_length(shape.head_dim_full)
+        w.add_final_logit_softcapping(shape.softcap)
+        w.add_sliding_window(shape.sliding_window)
+        w.add_shared_kv_layers(shape.shared_kv_layers)
+        w.add_embedding_length_per_layer_input(shape.per_layer_dim)
+        w.add_sliding_window_pattern([not shape.is_full(i) for i in range(L)])
+        w.add_key_length_swa(shape.head_dim)
+        w.add_value_length_swa(shape.head_dim)
+        w.add_rope_dimension_count(shape.head_dim_full)
+        w.add_rope_dimension_count_swa(shape.head_dim)
+        w.add_rope_freq_base_swa(shape.rope_base_swa)
+    for key, value in vocabulary(shape).items():
+        vtype, sub_type = _VOCAB_KEYS[key]
+        if vtype == V.ARRAY and not value:
+            continue
+        w.add_key_value(key, value, vtype, sub_type=sub_type)
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Files.
+
+
+def spec_digest(shape: Shape, seed: int) -> str:
+    """What the file's bytes depend on: generator version, shape, seed."""
+    text = json.dumps([GENERATOR_VERSION, dataclasses.asdict(shape), seed], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def synthetic_dir() -> Path:
+    from ember.sources import ember_cache_dir
+
+    return ember_cache_dir() / "synthetic"
+
+
+def default_path(shape: Shape, seed: int = DEFAULT_SEED) -> Path:
+    return synthetic_dir() / shape.file_name(seed)
+
+
+def _sidecar(path: Path) -> Path:
+    return path.with_name(path.name + ".json")
+
+
+def read_sidecar(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(_sidecar(path).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def is_current(path: Path, shape: Shape, seed: int, verify: bool = False) -> bool:
+    """The file exists and its sidecar says it is this shape and seed, with the right size (and hash)."""
+    record = read_sidecar(path)
+    if record is None or record.get("digest") != spec_digest(shape, seed) or not path.exists():
+        return False
+    if path.stat().st_size != record.get("size"):
+        return False
+    return not verify or _sha256_file(path) == record.get("sha256")
+
+
+def _sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(_CHUNK_BYTES):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_synthetic(shape: Shape, path: str | os.PathLike[str], seed: int = DEFAULT_SEED) -> dict[str, Any]:
+    """Write the file (atomically: a temporary name, then a rename) and its sidecar; return the record."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    plans = tensor_plan(shape)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        writer = gguf.GGUFWriter(temporary, shape.architecture)
+        _write_metadata(writer, shape, seed)
+        for plan in plans:  # GGUFWriter takes NumPy shapes and writes ne reversed
+            writer.add_tensor_info(plan.name, plan.shape, np.dtype(np.float32), plan.nbytes,
+                                   raw_dtype=plan.qtype)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        writer.close()
+        alignment = writer.data_alignment
+        digest = hashlib.sha256()
+        with open(temporary, "r+b") as handle:
+            digest.update(handle.read())
+            _pad(handle, digest, alignment)
+            for plan in plans:
+                written = 0
+                for chunk in tensor_chunks(plan, seed):
+                    handle.write(chunk.data)
+                    digest.update(chunk.data)
+                    written += chunk.nbytes
+                if written != plan.nbytes:
+                    raise AssertionError(f"{plan.name}: wrote {written} bytes, expected {plan.nbytes}")
+                _pad(handle, digest, alignment)
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+    record = {
+        "shape": shape.name,
+        "digest": spec_digest(shape, seed),
+        "seed": seed,
+        "generator": GENERATOR_VERSION,
+        "size": path.stat().st_size,
+        "sha256": digest.hexdigest(),
+        "parameters": sum(plan.elements for plan in plans),
+        "types": _type_counts(plans),
+        "seconds": round(time.perf_counter() - started, 2),
+    }
+    _sidecar(path).write_text(json.dumps(record, indent=1) + "\n")
+    return record
+
+
+def _pad(handle: Any, digest: Any, alignment: int) -> None:
+    padding = -handle.tell() % alignment
+    if padding:
+        handle.write(bytes(padding))
+        digest.update(bytes(padding))
+
+
+def _type_counts(plans: list[TensorPlan]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for plan in plans:
+        counts[plan.qtype.name] = counts.get(plan.qtype.name, 0) + 1
+    return counts
+
+
+def ensure(name: str, seed: int = DEFAULT_SEED, out_dir: str | os.PathLike[str] | None = None,
+           verify: bool = False, quiet: bool = False) -> Path:
+    """The path of the shape's file, written first unless a current one is there."""
+    if name not in SHAPES:
+        raise KeyError(f"unknown shape {name!r}; known: {', '.join(SHAPES)}")
+    shape = SHAPES[name]
+    path = (Path(out_dir) / shape.file_name(seed)) if out_dir else default_path(shape, seed)
+    if is_current(path, shape, seed, verify):
+        return path
+    if not quiet:
+        print(f"writing {path} ...", file=sys.stderr, flush=True)
+    record = write_synthetic(shape, path, seed)
+    if not quiet:
+        print(f"  {record['size'] / 1e9:.2f} GB, {record['parameters'] / 1e9:.2f} B parameters, "
+              f"{record['seconds']:.1f} s, types {record['types']}", file=sys.stderr, flush=True)
+    return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.synthetic",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="all", help=f"'all' or comma-separated of: {', '.join(SHAPES)}")
+    parser.add_argument("--out", help="directory for the files (default: <ember cache>/synthetic)")
+    parser.add_argument("--seed", type=int, default=DEFAULT_SEED)
+    parser.add_argument("--verify", action="store_true", help="re-hash existing files before trusting them")
+    parser.add_argument("--list", action="store_true",
+                        help="print the shapes and their tensor types, write nothing")
+    parser.add_argument("--check", action="store_true",
+                        help="after writing, load each file in llama.cpp and generate a few tokens")
+    args = parser.parse_args(argv)
+    names = list(SHAPES) if args.shape == "all" else [n.strip() for n in args.shape.split(",") if n.strip()]
+    unknown = [n for n in names if n not in SHAPES]
+    if unknown:
+        sys.exit(f"unknown shape(s) {unknown}; known: {', '.join(SHAPES)}")
+    if args.list:
+        for name in names:
+            plans = tensor_plan(SHAPES[name])
+            size = sum(p.nbytes for p in plans)
+            print(f"{name}: {sum(p.elements for p in plans) / 1e9:.3f} B parameters, "
+                  f"{size / 1e9:.2f} GB of tensor data, {_type_counts(plans)}")
+        return
+    for name in names:
+        path = ensure(name, args.seed, args.out, args.verify)
+        record = read_sidecar(path) or {}
+        print(f"{name}: {path} ({record.get('size', 0) / 1e9:.2f} GB, "
+              f"sha256 {record.get('sha256', '?')[:16]}, written in {record.get('seconds', '?')} s)")
+        if args.check:
+            print("  " + check_with_llama_cpp(path), flush=True)
+
+
+def check_with_llama_cpp(path: Path, text: str = "The old lighthouse keeper climbed the stairs",
+                         new_tokens: int = 8) -> str:
+    """Load the file in llama.cpp, evaluate a prompt, generate greedily: proof that the file is real."""
+    import llama_cpp
+
+    started = time.perf_counter()
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=128, n_threads=os.cpu_count() or 1,
+                          logits_all=True, verbose=False)
+    try:
+        load = time.perf_counter() - started
+        ids = llm.tokenize(text.encode(), add_bos=True)
+        llm.eval(ids)
+        logits = np.array(llm.scores[: len(ids)], dtype=np.float32)
+        generated = []
+        for _ in range(new_tokens):
+            token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            generated.append(token)
+            llm.eval([token])
+        return (f"llama.cpp {llama_cpp.__version__}: loaded in {load:.1f} s, {llm.n_vocab()} tokens, prompt "
+                f"{len(ids)} ids, logits finite: {bool(np.isfinite(logits).all())} (std {logits.std():.2f}), "
+                f"generated {generated} = {llm.detokenize(generated).decode(errors='replace')!r}")
+    finally:
+        llm.close()
+
+
+if __name__ == "__main__":
+    main()
