@@ -86,7 +86,7 @@ def estimate_memory(gguf: GGUFFile, config: object, cache_specs: Sequence[tuple[
     rows = min(PREFILL_ROWS, context_length)
     # hidden, normed, attention and MLP outputs, Q/K/V, gate/up and its scratch, attention heads
     per_row = 4 * hidden + 3 * heads * head_dim + 3 * feed_forward
-    scores = 2 * heads * min(QUERY_CHUNK, rows) * context_length  # a score block and its mask
+    scores = 2 * heads * min(QUERY_CHUNK, rows) * rows  # a score block and its mask, over the prompt's keys
     activations = 4 * (rows * per_row + scores + 2 * vocab) + TILE_BYTES
     full_specs = [(kv, hd, 0) for kv, hd, window in cache_specs if not window]
     return MemoryEstimate(

@@ -37,7 +37,7 @@ from ember.sampling import Sampler, SamplingSettings
 from ember.sources import ModelFile, resolve_model
 from ember.tokenizer import Tokenizer
 from ember.tracing import Tracer, TracingHooks
-from ember.weights import FLOAT32, QUANTIZED, WEIGHT_MODES, WeightStore
+from ember.weights import FLOAT32, QUANTIZED, WEIGHT_MODES, WeightStore, remove_old_weight_cache
 
 
 @dataclass(frozen=True, slots=True)
@@ -373,6 +373,7 @@ def _load_model(source: str | os.PathLike[str] | ModelFile, context_length: int 
         memory_check(needed, model_file.name or gguf.path.name, weights)
     with step("tokenizer"):
         tokenizer = Tokenizer.from_gguf(gguf)
+    remove_old_weight_cache()
     store = WeightStore(gguf, weights)
     with compute_threads(threads), step("weights"):
         forward = family.build_forward(config, store, context_length)

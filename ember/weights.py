@@ -38,6 +38,23 @@ KERNEL_TYPES = frozenset({
 })
 
 
+def remove_old_weight_cache() -> None:
+    """ember 0.1 kept dequantized float32 copies of every matrix under `<ember cache>/weights/` (0.5–1.2 GB
+    a model, 23 GB for an 8B file); nothing reads them any more. Deleted at the first load, with a note."""
+    import shutil
+    import sys
+
+    from ember.sources import ember_cache_dir
+
+    old = ember_cache_dir() / "weights"
+    if not old.is_dir():
+        return
+    size = sum(f.stat().st_size for f in old.rglob("*") if f.is_file())
+    shutil.rmtree(old, ignore_errors=True)
+    print(f"ember: removed the float32 weight cache of ember 0.1 ({size / 2**20:.0f} MiB at {old}); "
+          "weights now stay quantized in memory", file=sys.stderr, flush=True)
+
+
 class FileRows:
     """Rows of a table decoded from the file on demand with NumPy (float32 mode's embedding tables)."""
 

@@ -147,3 +147,17 @@ def test_xdg_cache_home_is_honoured(tmp_path, monkeypatch):
     assert ember_cache_dir() == tmp_path / "xdg" / "ember"
     monkeypatch.delenv("XDG_CACHE_HOME")
     assert ember_cache_dir() == Path.home() / ".cache" / "ember"
+
+
+def test_the_old_float32_cache_is_removed_at_load(model_file, tmp_path, monkeypatch, capsys):
+    from ember.weights import remove_old_weight_cache
+
+    monkeypatch.setenv("EMBER_CACHE", str(tmp_path / "cache"))
+    old = tmp_path / "cache" / "weights" / "SmolLM2-0123456789abcdef"
+    old.mkdir(parents=True)
+    (old / "blk.0.attn_q.weight.npy").write_bytes(b"\0" * (3 << 20))
+    remove_old_weight_cache()
+    assert not (tmp_path / "cache" / "weights").exists()
+    assert "removed the float32 weight cache of ember 0.1 (3 MiB" in capsys.readouterr().err
+    remove_old_weight_cache()  # nothing left: silent
+    assert capsys.readouterr().err == ""
