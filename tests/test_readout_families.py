@@ -29,8 +29,9 @@ def check(model, ids: list[int]) -> None:
 
 
 def test_gemma4_readout(tmp_path):
-    import ember
     from test_gemma4_engine import PROMPT, tiny_file
+
+    import ember
 
     _, path = tiny_file(tmp_path)
     check(ember.load_model(path, context_length=64, weight_cache=False), PROMPT)
@@ -38,8 +39,9 @@ def test_gemma4_readout(tmp_path):
 
 def test_gemma3_readout(tmp_path):
     pytest.importorskip("torch")
-    import ember
     from test_gemma3_tiny import tiny_gemma3, write_gemma3_gguf
+
+    import ember
 
     path = write_gemma3_gguf(tiny_gemma3("default"), tmp_path / "tiny.gguf", "default")
     check(ember.load_model(path, weight_cache=False), [2, 10, 11, 12, 13, 14, 15])
