@@ -82,3 +82,19 @@ class HardCrash(Experiment):
         import os
 
         os._exit(3)
+
+
+class InterruptAfterItems(Experiment):
+    """Raises KeyboardInterrupt (as Ctrl-C would) when the study reaches item number `items`."""
+
+    name = "interrupt_after_items"
+    may_write = False
+    started = 0  # instances are made per item: count across them
+
+    def __init__(self, items: int = 2) -> None:
+        self.items = items
+
+    def before_prefill(self, ctx: object) -> None:
+        type(self).started += 1
+        if type(self).started > self.items:
+            raise KeyboardInterrupt
