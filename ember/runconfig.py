@@ -24,6 +24,7 @@ MISSING = "???"
 _TOP_LEVEL_KEYS = {
     "model", "prompt", "messages", "max_new_tokens", "layer", "experiments", "intervention_effect",
     "threads", "sampling", "mlflow", "tracing", "trace_layers", "stop_at_eog", "data",
+    "objective",  # checked by ember.runs.objective
 }
 _MODEL_KEYS = {"source", "family", "context_length"}
 _SAMPLING_KEYS = {"temperature", "top_k", "top_p", "min_p", "seed"}

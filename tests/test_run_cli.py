@@ -277,8 +277,8 @@ def test_user_mistakes_give_one_message_and_status_2(workdir, capsys, args, mess
 
 HYDRA_MISTAKES = [
     (["experiment=zero_layr"], "experiment=zero_layr: no such option (did you mean zero_layer?); experiment "
-                               "takes one of: ablation, activation_patching, activation_stats, "
-                               "custom_steering, logit_lens, none, stats_and_zero, steering, zero_layer"),
+                               "takes one of: " + ", ".join(sorted(
+                                   p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml")))),
     (["max_new_token=5"], "unknown config key 'max_new_token' (did you mean max_new_tokens?); known keys: "),
     (["sampling.temprature=1"], "unknown config key 'sampling.temprature' (did you mean temperature?); "
                                 "sampling takes: min_p, seed, temperature, top_k, top_p"),

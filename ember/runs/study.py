@@ -153,7 +153,9 @@ class Study:
             summary = effect.summary()
             result.values.update({"effect.kl_mean": summary["kl_mean"], "effect.kl_max": summary["kl_max"],
                                   "effect.top1_agreement": summary["top1_agreement"],
-                                  "effect.first_divergent_step": float(summary["first_divergent_step"])})
+                                  "effect.first_divergent_step": float(summary["first_divergent_step"]),
+                                  # its mean over the set: the share of answers the intervention changed
+                                  "effect.answer_changed": float(summary["first_divergent_step"] == 0)})
             clean_values = answer_values(clean[0], item)
             for name, value in clean_values.items():
                 result.values[f"clean.{name}"] = value
