@@ -25,6 +25,7 @@ from ember.errors import ConfigError, ContextLengthError
 from ember.experiments.adapters import DISABLED_HOOKS
 from ember.experiments.context import ExecutionPhase, ModelContext, TracingState
 from ember.experiments.failure import ExperimentFailure
+from ember.experiments.readout import Readout
 from ember.experiments.results import ExperimentResult
 from ember.experiments.runner import ExperimentRunner
 from ember.families import FAMILIES, config_from_gguf
@@ -96,7 +97,18 @@ class Model:
         self._cache = forward.new_cache(context_length)
         self._cached_ids: list[int] = []  # the tokens whose keys/values the cache holds, in order
         self._decode_workspace = forward.new_workspace(1, context_length)
-        self.model_context = ModelContext.from_config(config, model_id=source.name)
+        self.model_context = ModelContext.from_config(config, model_id=source.name, readout=self._readout())
+
+    def _readout(self) -> Readout | None:
+        """The contract's read-only final norm + unembedding (v0.2), when the family offers one."""
+        project = getattr(self._forward, "readout", None)
+        if project is None:
+            return None
+
+        def piece(token_id: int) -> str:
+            return self.tokenizer.token_to_piece(token_id, special=True).decode("utf-8", errors="replace")
+
+        return Readout(project, self.config.vocab_size, self.config.hidden_size, piece)
 
     def __repr__(self) -> str:
         return f"Model({self.source.name!r}, {self.config.architecture}, {self.config.layer_count} layers)"

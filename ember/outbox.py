@@ -136,6 +136,13 @@ def perform(client: Any, op: dict[str, Any], folder: Path | None, ids: dict[str,
         client.log_artifact(run_id, str(folder / op["file"]), op.get("dir"))
     elif kind == "terminate":
         client.set_terminated(run_id, status=op["status"], end_time=op.get("end_time"))
+    elif kind == "log_inputs":  # dataset inputs (ember.runs.study)
+        from mlflow.entities import Dataset, DatasetInput, InputTag
+
+        # each entry: name, digest, source type, source, schema, profile, context
+        inputs = [DatasetInput(Dataset(*entry[:6]), [InputTag("mlflow.data.context", entry[6])])
+                  for entry in op["datasets"]]
+        client.log_inputs(run_id, inputs)
     else:
         raise ValueError(f"unknown outbox operation {kind!r}")
     return None

@@ -8,8 +8,8 @@
     with Progress.status("loading smollm2-135m"):   # a step without a count: spinner or two lines
         model = load_model(...)
 
-Plain mode prints a start line, about ten evenly spaced `i/total` lines and an end line with the
-elapsed time, all on stderr, so logs stay short.
+Plain mode prints a start line, about ten evenly spaced `i/total, ETA ...` lines and an end line with
+the elapsed time, all on stderr, so logs stay short.
 """
 
 from __future__ import annotations
@@ -87,7 +87,9 @@ class Progress:
         if self._bar is not None:
             self._bar.advance(self._task, n)
         elif self.total is not None and self.done >= self._next_line and self.done < self.total:
-            self._line(f"{self.description}: {self.done}/{self.total}")
+            elapsed = time.perf_counter() - self._started
+            eta = elapsed / self.done * (self.total - self.done)
+            self._line(f"{self.description}: {self.done}/{self.total}, ETA {_duration(eta)}")
             self._next_line = self.done + self._step()
 
     def __exit__(self, kind: Any, error: Any, trace: Any) -> None:
@@ -104,3 +106,10 @@ class Progress:
 
     def _line(self, text: str) -> None:
         print(f"ember: {text}", file=self.stream, flush=True)
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.0f} s"
+    minutes, seconds = divmod(int(seconds + 0.5), 60)
+    return f"{minutes} min {seconds:02d} s" if minutes < 60 else f"{minutes // 60} h {minutes % 60:02d} min"

@@ -23,6 +23,7 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # records stay where 
 import signal
 import sys
 import time
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -32,8 +33,12 @@ from omegaconf import DictConfig
 
 from ember import tracking
 from ember.errors import EmberError
-from ember.runs.execute import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, execute, say
+from ember.runs.execute import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, run_job, say
 from ember.runs.overrides import describe_hydra_error, preflight
+
+# conf/hydra/launcher/ray.yaml keeps the plugin's name `ray` on purpose (hydra/launcher=ray) and extends
+# its schema; Hydra warns about the name it shares with the plugin's own config on every composition.
+warnings.filterwarnings("ignore", message=r"\s*'hydra/launcher/ray' is validated against ConfigStore schema")
 
 # ------------------------------------------------------------------------------------ entry point
 
@@ -45,10 +50,10 @@ CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
-def _hydra_task(cfg: DictConfig) -> int:
-    code = execute(cfg)
-    _EXIT_CODES.append(code)
-    return code
+def _hydra_task(cfg: DictConfig) -> Any:
+    outcome = run_job(cfg)
+    _EXIT_CODES.append(outcome.code)
+    return outcome.for_sweeper()  # the exit status, or a search's objective
 
 
 class _Terminated(KeyboardInterrupt):
@@ -100,6 +105,17 @@ def _main() -> int:
         say(f"ember: {error}")
         _close_open_sweep(interrupted=False)
         return EXIT_USAGE
+    except Exception as error:
+        # A launcher's own crash (a joblib worker that died takes its pool down): the sweep is closed
+        # FAILED and its jobs named, not left behind a traceback.
+        if tracking.active_sweep_dir() is None:
+            raise
+        text = str(error).strip().splitlines()
+        say(f"ember: the sweep's launcher stopped: {type(error).__name__}: {text[0] if text else ''}")
+        sweep = _close_open_sweep(interrupted=False)
+        if sweep is not None:
+            _report_sweep(sweep, started)
+        return EXIT_FAILED
     except KeyboardInterrupt:
         sweep = _close_open_sweep(interrupted=True)
         if sweep is not None:
@@ -127,6 +143,10 @@ def _main() -> int:
 
 def _report_sweep(sweep: tracking.SweepSummary, started: float) -> int:
     jobs = sweep.jobs or len(_EXIT_CODES)
+    for line in sweep.retried_jobs:
+        say(f"ember: {line}")
+    if sweep.best:
+        say(f"ember: best trial: {sweep.best}")
     where = (f"; parent MLflow run {sweep.run_id} in {sweep.tracking_uri}" if sweep.run_id else "")
     if not sweep.ok:
         say(f"ember: sweep finished with {len(sweep.failed_jobs)} failed job(s) of {jobs}{where}:")

@@ -23,7 +23,8 @@ MISSING = "???"
 
 _TOP_LEVEL_KEYS = {
     "model", "prompt", "messages", "max_new_tokens", "layer", "experiments", "intervention_effect",
-    "threads", "sampling", "mlflow", "tracing", "trace_layers", "stop_at_eog",
+    "threads", "sampling", "mlflow", "tracing", "trace_layers", "stop_at_eog", "data",
+    "objective",  # checked by ember.runs.objective
 }
 _MODEL_KEYS = {"source", "family", "context_length", "weights"}
 _WEIGHT_MODES = ("quantized", "float32")
@@ -89,6 +90,7 @@ class RunConfig:
     tracing: bool = False
     trace_layers: bool = False
     stop_at_eog: bool = True
+    data: Any = None  # ember.data.DataSpec: a prompt set (a study), or None
 
 
 # ---------------------------------------------------------------------------------------- values
@@ -215,9 +217,12 @@ def parse_run_config(cfg: Any) -> RunConfig:
         weights=_choice("model.weights", model_cfg.get("weights", "quantized"), _WEIGHT_MODES),
     )
 
+    from ember.data import parse_data_spec
+
+    data = parse_data_spec(plain.get("data"))
     prompt = _str("prompt", plain.get("prompt"), allow_none=True, allow_empty=True)
     messages = _messages(plain.get("messages"))
-    if messages is None and not prompt:
+    if messages is None and not prompt and data is None:
         raise ConfigError('prompt is empty and no chat messages are given: set prompt="..." or messages')
 
     sampling_cfg = _mapping("sampling", plain.get("sampling"), _SAMPLING_KEYS)
@@ -252,6 +257,7 @@ def parse_run_config(cfg: Any) -> RunConfig:
         tracing=_tracing(plain),
         trace_layers=_bool("trace_layers", plain.get("trace_layers", False)),
         stop_at_eog=_bool("stop_at_eog", plain.get("stop_at_eog", True)),
+        data=data,
     )
 
 

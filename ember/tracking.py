@@ -40,9 +40,11 @@ PARENT_RUN_ENV = "EMBER_MLFLOW_PARENT_RUN_ID"
 SWEEP_RECORD = "mlflow_sweep.json"
 MAX_PARAM_LENGTH = 6000
 MAX_TAG_LENGTH = 8000
+MAX_RUN_NAME_LENGTH = 250
 
-# MLflow run statuses.
+# MLflow run statuses, and what a job folder without a status file says.
 FINISHED, FAILED, KILLED = "FINISHED", "FAILED", "KILLED"
+DIED = "DIED"
 
 # MLflow 3's UI opens an experiment in its model-training view (runs, charts), not the GenAI view
 # (traces, evaluations), when the experiment carries this tag with this value.
@@ -70,9 +72,14 @@ class Store:
         return self.artifact_root is not None
 
 
-def resolve_store(settings: MlflowSettings, base_dir: str | os.PathLike[str] | None = None) -> Store:
-    """`mlflow.tracking_uri`, else `MLFLOW_TRACKING_URI`, else SQLite + artifacts under `outputs/`."""
-    uri = settings.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+def resolve_store(settings: MlflowSettings, base_dir: str | os.PathLike[str] | None = None, *,
+                  sweep_job: bool = False) -> Store:
+    """`mlflow.tracking_uri`, else `MLFLOW_TRACKING_URI`, else SQLite + artifacts under `outputs/`.
+
+    A job of a sweep records where its parent run is (`EMBER_SWEEP_TRACKING_URI`, handed over by the
+    process that started the sweep), wherever it runs."""
+    uri = os.environ.get(SWEEP_STORE_ENV) if sweep_job else None
+    uri = uri or settings.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
     if uri:
         return Store(uri)
     outputs = Path(base_dir or os.getcwd()).resolve() / "outputs"
@@ -103,6 +110,32 @@ def _text(value: Any, limit: int) -> str:
 def _chunks(items: Sequence[Any], size: int) -> Iterable[Sequence[Any]]:
     for start in range(0, len(items), size):
         yield items[start : start + size]
+
+
+def _http_status(error: Exception) -> int | None:
+    try:
+        return int(error.get_http_status_code())  # type: ignore[attr-defined]
+    except Exception:
+        return None
+
+
+def describe_mlflow_error(error: Exception, uri: str) -> str:
+    """One line for an MLflow error: what the server said, and for a refusal what to do (the
+    credentials themselves are never shown)."""
+    status = _http_status(error)
+    if status == 401:
+        given = "MLFLOW_TRACKING_USERNAME" in os.environ and "MLFLOW_TRACKING_PASSWORD" in os.environ
+        if given:
+            return (f"the MLflow server at {uri} refused the credentials in MLFLOW_TRACKING_USERNAME / "
+                    f"MLFLOW_TRACKING_PASSWORD (HTTP 401): wrong user name or password")
+        return (f"the MLflow server at {uri} asks for credentials (HTTP 401): set MLFLOW_TRACKING_USERNAME "
+                f"and MLFLOW_TRACKING_PASSWORD in the environment of every process that records")
+    if status == 403:
+        return (f"the MLflow server at {uri} does not let this user write here (HTTP 403): ask its admin "
+                f"for EDIT permission on the experiment")
+    message = getattr(error, "message", None) or str(error)
+    lines = [line.strip() for line in str(message).splitlines() if line.strip()]
+    return f"MLflow ({uri}): {lines[0] if lines else type(error).__name__}"
 
 
 class TrackingUnavailableError(EmberError):
@@ -162,6 +195,7 @@ class Tracker:
         self.client = MlflowClient(tracking_uri=store.tracking_uri)
         self.outbox_root = outbox_root or outbox.default_root()
         self.outboxes: dict[str, outbox.Outbox] = {}
+        self._tables: dict[str, list[dict[str, str]]] = {}  # run -> its table artifacts (loggedArtifacts)
         self.experiment_id = self._experiment(experiment_name)
         open_store(self.client, store.tracking_uri, self.outbox_root)
 
@@ -175,6 +209,7 @@ class Tracker:
         tracker.client = MlflowClient(tracking_uri=store.tracking_uri)
         tracker.outbox_root = outbox_root or outbox.default_root()
         tracker.outboxes = {}
+        tracker._tables = {}
         return tracker
 
     def _experiment(self, name: str) -> str:
@@ -210,6 +245,7 @@ class Tracker:
         all_tags = {k: _text(v, MAX_TAG_LENGTH) for k, v in {**heartbeat.process_tags(), **tags}.items()}
         if parent_run_id:
             all_tags["mlflow.parentRunId"] = parent_run_id
+        name = _text(name, MAX_RUN_NAME_LENGTH)  # SQL stores keep 250 characters (PostgreSQL enforces it)
         try:
             run = self.client.create_run(self.experiment_id, run_name=name, tags=all_tags)
         except Exception as error:
@@ -312,6 +348,30 @@ class Tracker:
               f"on this store (or: ember runs upload)", file=sys.stderr, flush=True)
         return kept
 
+    def log_table(self, run_id: str, columns: Mapping[str, Sequence[Any]], artifact_file: str) -> None:
+        """Columns (name -> one value per row) as MLflow's table artifact: the JSON `MlflowClient.log_table`
+        writes (`{"columns": [...], "data": [[...], ...]}`), named in the run's `mlflow.loggedArtifacts`
+        tag, so the UI shows it as a table. Written here, through the one write path (outbox included),
+        without pandas."""
+        names = list(columns)
+        rows = zip(*(columns[n] for n in names), strict=True)
+        table = {"columns": names, "data": [[_json_cell(v) for v in row] for row in rows]}
+        self._artifact(run_id, artifact_file, lambda path: path.write_text(
+            json.dumps(table, default=_json_default), encoding="utf-8"))
+        tables = self._tables.setdefault(run_id, [])
+        if {"path": artifact_file, "type": "table"} not in tables:
+            tables.append({"path": artifact_file, "type": "table"})
+        self.set_tags(run_id, {"mlflow.loggedArtifacts": json.dumps(tables)})
+
+    def log_dataset(self, run_id: str, name: str, digest: str, source_type: str, source: Mapping[str, Any],
+                    schema: Mapping[str, Any] | None = None, rows: int | None = None,
+                    context: str = "eval") -> None:
+        """A dataset input of the run (the UI's Datasets column shows name and digest)."""
+        entry = [name, digest, source_type, json.dumps(source),
+                 json.dumps(schema) if schema is not None else None,
+                 json.dumps({"num_rows": rows}) if rows is not None else None, context]
+        self._write(run_id, {"op": "log_inputs", "datasets": [entry]})
+
 
 _REPAIRED_STORES: set[str] = set()
 
@@ -348,6 +408,13 @@ def repair_store(client: Any, tracking_uri: str, *, quiet: bool = False) -> list
             print(f"ember: MLflow run {run.run_id} ({run.run_name}) was still RUNNING but {run.reason}; "
                   f"closed as KILLED", file=sys.stderr, flush=True)
     return repaired
+
+
+def _json_cell(value: Any) -> Any:
+    """A table cell as strict JSON: NaN and infinities become null (the UI cannot read NaN)."""
+    if isinstance(value, float | np.floating) and not math.isfinite(float(value)):
+        return None
+    return value
 
 
 def _json_default(value: Any) -> Any:
@@ -482,8 +549,25 @@ class SweepCallback(Callback):
     """
 
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
-        os.environ[SWEEP_SIZE_ENV] = str(_sweep_size(config) or "")
-        start_sweep(config)
+        size = _sweep_size(config)
+        os.environ[SWEEP_SIZE_ENV] = str(size or "")
+        # Hydra turns a callback's exception into a warning and goes on; a sweep without its parent
+        # run or its hand-over would record unlinked runs, so it stops here, before any job.
+        try:
+            run_id = start_sweep(config, size)
+            hand_over_to_jobs(config, run_id, size)
+        except EmberError as error:  # the store refused or is away: one line, no job started, status 2
+            print(f"ember: {error}", file=sys.stderr, flush=True)
+            raise SystemExit(2) from None
+        except Exception as error:
+            from mlflow.exceptions import MlflowException
+
+            settings = settings_from_config(config)
+            uri = resolve_store(settings).tracking_uri if settings else "the configured store"
+            text = describe_mlflow_error(error, uri) if isinstance(error, MlflowException) else (
+                f"{type(error).__name__}: {error}")
+            print(f"ember: could not start the sweep: {text}", file=sys.stderr, flush=True)
+            raise SystemExit(1) from None
 
     def on_job_start(self, config: Any, **kwargs: Any) -> None:
         # Progress of a sweep, one plain line per job: readable on a terminal, in CI logs, and from
@@ -499,17 +583,57 @@ class SweepCallback(Callback):
         print(f"ember: sweep job {int(number) + 1}/{size}: {overrides}", file=sys.stderr, flush=True)
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
-        finish_sweep(str(config.hydra.sweep.dir))
+        finish_sweep(str(config.hydra.sweep.dir), all_returned=True)
 
 
 SWEEP_SIZE_ENV = "EMBER_SWEEP_SIZE"
 
 
+SWEEP_STORE_ENV = "EMBER_SWEEP_TRACKING_URI"
+
+
+def hand_over_to_jobs(config: Any, parent_run_id: str | None, size: int | None) -> None:
+    """Give every job of the sweep what it needs from this process, wherever the launcher runs it.
+
+    A job's config is composed again from the sweep's Hydra overrides (in this process for Ray and
+    joblib, in the job's own process for submitit), and a job on another node shares neither this
+    process's environment nor its disk. So the parent run id, the store it lives in and the sweep size
+    travel as `hydra.job.env_set` overrides (Hydra sets them around the job), and a relative sweep
+    folder is made absolute (a Ray worker's working directory is its raylet's, not this one).
+    """
+    from omegaconf import OmegaConf, open_dict
+
+    overrides = OmegaConf.select(config, "hydra.overrides.hydra", default=None)
+    if overrides is None:
+        return
+    env = {SWEEP_SIZE_ENV: str(size or "")}
+    record = read_sweep_record(Path(str(config.hydra.sweep.dir)).resolve())
+    if parent_run_id and record is not None:
+        env.update({PARENT_RUN_ENV: parent_run_id, SWEEP_STORE_ENV: record["tracking_uri"]})
+    added = [f"++hydra.job.env_set.{key}={_override_value(value)}" for key, value in env.items()]
+    sweep_dir = str(OmegaConf.select(config, "hydra.sweep.dir"))
+    if not os.path.isabs(sweep_dir):
+        added.append(f"hydra.sweep.dir={_override_value(str(Path(sweep_dir).resolve()))}")
+    with open_dict(config.hydra.overrides):
+        config.hydra.overrides.hydra = [str(o) for o in overrides] + added
+
+
+def _override_value(value: str) -> str:
+    """`value` as a quoted Hydra override value (quotes and interpolations escaped)."""
+    escaped = value.replace("'", "\\'").replace("${", "\\${")
+    return f"'{escaped}'"
+
+
 def _sweep_size(config: Any) -> int | None:
-    """How many jobs the basic sweeper will make of the sweep overrides (product of their choices)."""
+    """How many jobs the sweep will make: the Optuna sweeper's trials, else the product of the sweep
+    overrides' choices (the basic sweeper)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from omegaconf import OmegaConf
 
+    sweeper = str(OmegaConf.select(config, "hydra.sweeper._target_", default="") or "")
+    if "optuna" in sweeper.lower():
+        trials = OmegaConf.select(config, "hydra.sweeper.n_trials", default=None)
+        return int(trials) if trials else None
     overrides = [str(o) for o in OmegaConf.select(config, "hydra.overrides.task", default=[]) or []]
     try:
         size = 1
@@ -526,6 +650,8 @@ class SweepSummary:
     run_id: str | None
     jobs: int
     failed_jobs: tuple[str, ...]
+    retried_jobs: tuple[str, ...] = ()
+    best: str | None = None  # a search's best trial
     tracking_uri: str = ""
 
     @property
@@ -551,8 +677,9 @@ def forget_active_sweep() -> None:
     _ACTIVE_SWEEP_DIR = _LAST_SWEEP = None
 
 
-def start_sweep(config: Any) -> str | None:
-    """Create the sweep folder and (when tracking is on) the parent run; returns its id."""
+def start_sweep(config: Any, size: int | None = None) -> str | None:
+    """Create the sweep folder and (when tracking is on) the parent run; returns its id. `size`: how
+    many jobs the sweep will have, when known."""
     global _ACTIVE_SWEEP_DIR, _LAST_SWEEP
     from omegaconf import OmegaConf
 
@@ -560,62 +687,91 @@ def start_sweep(config: Any) -> str | None:
 
     sweep_dir = Path(str(config.hydra.sweep.dir)).resolve()
     sweep_dir.mkdir(parents=True, exist_ok=True)
-    _ACTIVE_SWEEP_DIR, _LAST_SWEEP = str(sweep_dir), None
     os.environ.pop(PARENT_RUN_ENV, None)
+    _LAST_SWEEP = None
     settings = settings_from_config(config)
     if settings is None or not settings.enabled:
+        _ACTIVE_SWEEP_DIR = str(sweep_dir)
         return None
     store = resolve_store(settings)
-    tracker = Tracker(store, settings.experiment_name)
+    tracker = Tracker(store, settings.experiment_name)  # a refusal stops the sweep before any job
     overrides = [str(o) for o in OmegaConf.select(config, "hydra.overrides.task", default=[]) or []]
     launcher = str(OmegaConf.select(config, "hydra.launcher._target_", default="") or "")
     tags = {**environment_tags(), **SOURCE_TAGS, "ember.sweep": "true", "ember.sweep_dir": str(sweep_dir),
             "ember.launcher": launcher.rsplit(".", 1)[-1]}
     run_id = tracker.start_run(_sweep_name(config), tags)
     tracker.log_params(run_id, {"hydra.overrides": " ".join(overrides), "hydra.launcher": launcher})
-    record = {"run_id": run_id, "tracking_uri": store.tracking_uri, "experiment_id": tracker.experiment_id}
+    record = {"run_id": run_id, "tracking_uri": store.tracking_uri, "experiment_id": tracker.experiment_id,
+              "size": size}
+    sweeper = str(OmegaConf.select(config, "hydra.sweeper._target_", default="") or "")
+    if "optuna" in sweeper.lower():  # a search: the best trial is tagged on the parent at the end
+        record["search"] = str(OmegaConf.select(config, "hydra.sweeper.direction", default="minimize"))
     sweep_record_path(sweep_dir).write_text(json.dumps(record))
     os.environ[PARENT_RUN_ENV] = run_id
+    _ACTIVE_SWEEP_DIR = str(sweep_dir)
     return run_id
 
 
-def finish_sweep(sweep_dir: str, *, interrupted: bool = False, error: str | None = None) -> SweepSummary:
+def finish_sweep(sweep_dir: str, *, interrupted: bool = False, error: str | None = None,
+                 all_returned: bool = False) -> SweepSummary:
     """Close the sweep: every job that did not finish is named; the parent run ends KILLED on
-    interruption, FAILED if any job failed, died or left no run, else FINISHED."""
+    interruption, FAILED if any job failed, died or left no run, else FINISHED.
+
+    What each job became is read from the child runs in the parent's store (jobs on every node
+    record there) and, for jobs that ran on this machine, from the status files in their folders.
+    A job may have several child runs: a launcher that retries a job whose worker died (Ray) starts
+    it again as a new run. The last attempt decides; the earlier ones are named as retried.
+
+    A child run still RUNNING is closed as KILLED when nobody can be writing it any more: when the
+    launcher returned every job (`all_returned`, the normal end), or when its process is gone (a
+    heartbeat check, `ember.heartbeat`). After a launcher crash or Ctrl-C, a job a cluster still runs
+    (a SLURM task outlives the command that submitted it) is left alone and named as still running.
+    """
     global _LAST_SWEEP
     folder = Path(sweep_dir).resolve()
-    jobs = _job_statuses(folder)
-    statuses = {num: status for num, (status, _) in jobs.items()}
+    local = _job_statuses(folder)
+    best = None
     problems = {num: f"{status.lower()}: {detail}" if detail else status.lower()
-                for num, (status, detail) in jobs.items() if status != FINISHED}
+                for num, (status, detail) in local.items() if status != FINISHED}
+    overrides = {num: _job_overrides(folder / num) for num in local}
+    retried: dict[str, str] = {}
+    jobs = set(local)
     record = read_sweep_record(folder) if folder.exists() else None
     if record is not None and not record.get("closed"):
         tracker = Tracker.attach(Store(record["tracking_uri"]), record["experiment_id"])
-        client = tracker.client
+        jobs.update(str(n) for n in range(int(record.get("size") or 0)))
         try:
-            children = client.search_runs(
-                [record["experiment_id"]], filter_string=f"tags.mlflow.parentRunId = '{record['run_id']}'",
-                max_results=10000,
-            )
+            attempts: dict[str, list[tuple[Any, str]]] | None = _attempts_by_job(tracker.client, record,
+                                                                                 all_returned)
         except Exception as failure:  # the store is away: the job status files still tell the story
             if not outbox.unreachable(failure, record["tracking_uri"]):
                 raise
-            children = None
-        for child in children or []:  # a job killed without closing its run: close it for it
-            if child.info.status == "RUNNING":
-                heartbeat.close_dead_run(client, child, "its sweep ended while it was still RUNNING")
-                num = child.data.tags.get("ember.job")
-                if num is not None:
-                    problems.setdefault(num, "killed")
-        if children is not None:
-            recorded = {r.data.tags.get("ember.job") for r in children}
-            for num in statuses:
-                if num not in recorded:
-                    problems.setdefault(num, "no MLflow run")
-        failed_jobs = _describe_jobs(folder, problems)
-        tags = {"ember.sweep.jobs": str(len(statuses)),
-                "ember.sweep.child_runs": str(len(children)) if children is not None else "unknown",
-                "ember.sweep.failed_jobs": "; ".join(failed_jobs) or "none"}
+            attempts = None
+        for num, runs in (attempts or {}).items():
+            jobs.add(num)
+            overrides.setdefault(num, runs[-1][0].data.tags.get("ember.overrides", "?"))
+            last_run, last_status = runs[-1]
+            lost = [f"attempt {i} {status.lower()} ({_where(run)})"
+                    for i, (run, status) in enumerate(runs, start=1) if status != FINISHED]
+            if last_status == FINISHED:
+                problems.pop(num, None)  # a status file left by an earlier attempt on this machine
+                if lost:
+                    retried[num] = f"retried: {'; '.join(lost)}; attempt {len(runs)} finished"
+            elif num not in problems or len(runs) > 1 or local[num][0] == DIED:  # the run says more
+                why = _run_problem(last_run, last_status)
+                problems[num] = why if len(runs) == 1 else f"{why}; earlier: {'; '.join(lost[:-1])}"
+        for num in jobs if attempts is not None else ():
+            if num not in attempts:
+                problems.setdefault(num, "no MLflow run")
+        if record.get("search") and attempts is not None:
+            best = _tag_best_trial(tracker, record, attempts, overrides)
+        failed_jobs = _describe_jobs(problems, overrides)
+        if attempts is not None:
+            _summarize(tracker.client, record)
+        child_runs = "unknown" if attempts is None else str(sum(len(runs) for runs in attempts.values()))
+        tags = {"ember.sweep.jobs": str(len(jobs)), "ember.sweep.child_runs": child_runs,
+                "ember.sweep.failed_jobs": "; ".join(failed_jobs) or "none",
+                "ember.sweep.retried_jobs": "; ".join(_describe_jobs(retried, overrides)) or "none"}
         if error:
             tags["ember.sweep.error"] = error
         tracker.set_tags(record["run_id"], tags)
@@ -623,16 +779,100 @@ def finish_sweep(sweep_dir: str, *, interrupted: bool = False, error: str | None
         tracker.end_run(record["run_id"], status)
         record["closed"] = status
         sweep_record_path(folder).write_text(json.dumps(record))
-    failed_jobs = _describe_jobs(folder, problems)
+    failed_jobs = _describe_jobs(problems, overrides)
     if error:
         failed_jobs += (f"the sweep itself: {error}",)
-    _LAST_SWEEP = SweepSummary(record["run_id"] if record else None, len(statuses), failed_jobs,
+    _LAST_SWEEP = SweepSummary(record["run_id"] if record else None, len(jobs), failed_jobs,
+                               _describe_jobs(retried, overrides), best,
                                record["tracking_uri"] if record else "")
     return _LAST_SWEEP
 
 
-def _describe_jobs(folder: Path, problems: Mapping[str, str]) -> tuple[str, ...]:
-    return tuple(f"job #{num} ({_job_overrides(folder / num)}): {problems[num]}"
+def _summarize(client: Any, record: Mapping[str, Any]) -> None:
+    """The parent's summary of its children (ember.studies.summary); a failure there is noted, never
+    in the way of closing the sweep."""
+    try:
+        from ember.studies.summary import summarize_sweep
+
+        summarize_sweep(client, record["experiment_id"], record["run_id"])
+    except Exception as error:
+        log.warning("ember: could not summarise the sweep in its parent run: %s", error)
+        detail = _text(f"{type(error).__name__}: {error}", MAX_TAG_LENGTH)
+        client.set_tag(record["run_id"], "ember.sweep.summary_error", detail)
+
+
+Attempts = Mapping[str, list[tuple[Any, str]]]  # job number -> its child runs and their statuses
+
+
+def _tag_best_trial(tracker: Tracker, record: Mapping[str, Any], attempts: Attempts,
+                    overrides: Mapping[str, str]) -> str | None:
+    """Tag the parent of a search with its best finished trial (by the `objective` metric each job
+    logged, in the sweeper's direction) and that trial's run with `ember.search.best`."""
+    finished = [(num, runs[-1][0]) for num, runs in attempts.items()
+                if runs[-1][1] == FINISHED and "objective" in runs[-1][0].data.metrics]
+    if not finished:
+        tracker.set_tags(record["run_id"], {"ember.search.best_run_id": "none"})
+        return None
+    maximize = str(record["search"]).lower().endswith("maximize")
+    pick = max if maximize else min
+    num, run = pick(finished, key=lambda item: item[1].data.metrics["objective"])
+    value = run.data.metrics["objective"]
+    tags = {"ember.search.best_run_id": run.info.run_id, "ember.search.best_job": num,
+            "ember.search.best_objective": repr(value), "ember.search.direction": str(record["search"]),
+            "ember.search.best_overrides": overrides.get(num, "?"), "ember.search.trials": str(len(attempts))}
+    tracker.set_tags(record["run_id"], tags)
+    tracker.set_tags(run.info.run_id, {"ember.search.best": "true"})
+    return f"job #{num} ({overrides.get(num, '?')}): objective {value:g}, run {run.info.run_id}"
+
+
+def _attempts_by_job(client: Any, record: Mapping[str, Any],
+                     all_returned: bool) -> dict[str, list[tuple[Any, str]]]:
+    """Job number -> its child runs in start order, each with its status. A child still RUNNING whose
+    writer is gone (see `finish_sweep`) is closed as KILLED here."""
+    children, token = [], None
+    while True:
+        page = client.search_runs([record["experiment_id"]],
+                                  filter_string=f"tags.mlflow.parentRunId = '{record['run_id']}'",
+                                  max_results=1000, page_token=token)
+        children.extend(page)
+        token = page.token
+        if not token:
+            break
+    attempts: dict[str, list[tuple[Any, str]]] = {}
+    for child in sorted(children, key=lambda r: r.info.start_time or 0):
+        status = child.info.status
+        if status == "RUNNING":
+            dead = heartbeat.dead_reason(child.data.tags)
+            if all_returned or dead:
+                heartbeat.close_dead_run(client, child, dead or "its sweep ended while it was still RUNNING")
+                status = KILLED
+        num = child.data.tags.get("ember.job")
+        if num is not None:
+            attempts.setdefault(num, []).append((child, status))
+    return attempts
+
+
+def _where(run: Any) -> str:
+    tags = run.data.tags
+    place = f"run {run.info.run_id}"
+    if tags.get("ember.host"):
+        place += f" on {tags['ember.host']}, pid {tags.get('ember.pid', '?')}"
+    return place
+
+
+def _run_problem(run: Any, status: str) -> str:
+    """Why a job's run did not finish, in a few words."""
+    tags = run.data.tags
+    if status == "RUNNING":
+        return f"still running ({_where(run)}): its process is alive or its heartbeat recent; not closed"
+    if status == KILLED and not tags.get("ember.error"):
+        return f"killed: its process died without closing its run ({_where(run)})"
+    detail = tags.get("ember.failure") or tags.get("ember.error") or ""
+    return f"{status.lower()}: {detail}" if detail else f"{status.lower()} ({_where(run)})"
+
+
+def _describe_jobs(problems: Mapping[str, str], overrides: Mapping[str, str]) -> tuple[str, ...]:
+    return tuple(f"job #{num} ({overrides.get(num, '?')}): {problems[num]}"
                  for num in sorted(problems, key=int))
 
 
@@ -667,5 +907,5 @@ def _job_statuses(sweep_dir: Path) -> dict[str, tuple[str, str]]:
             record = json.loads((job_dir / JOB_STATUS_FILE).read_text())
             statuses[job_dir.name] = (str(record["status"]), str(record.get("detail", "")))
         except (OSError, ValueError, KeyError):
-            statuses[job_dir.name] = ("DIED", "the job ended without reporting (crashed or killed)")
+            statuses[job_dir.name] = (DIED, "the job ended without reporting (crashed or killed)")
     return statuses

@@ -82,3 +82,49 @@ class HardCrash(Experiment):
         import os
 
         os._exit(3)
+
+
+class InterruptAfterItems(Experiment):
+    """Raises KeyboardInterrupt (as Ctrl-C would) when the study reaches item number `items`."""
+
+    name = "interrupt_after_items"
+    may_write = False
+    started = 0  # instances are made per item: count across them
+
+    def __init__(self, items: int = 2) -> None:
+        self.items = items
+
+    def before_prefill(self, ctx: object) -> None:
+        type(self).started += 1
+        if type(self).started > self.items:
+            raise KeyboardInterrupt
+
+
+class WaitToBeKilled(Experiment):
+    """In the job whose `layer` is `victim`: writes this process's pid to `folder/pid` at the first decode
+    step and waits (at most `wait_seconds`) to be killed from outside; a job started again after that
+    (`folder/killed` exists) runs through. Every other job runs through at once."""
+
+    name = "wait_to_be_killed"
+    may_write = False
+
+    def __init__(self, folder: str, layer: int = 0, victim: int = 0, wait_seconds: float = 300.0) -> None:
+        self.folder = Path(folder)
+        self.waits = layer == victim
+        self.wait_seconds = wait_seconds
+
+    def after_layer(self, ctx: LayerContext, hidden: TensorAccess) -> None:
+        import os
+        import time
+
+        if not self.waits or ctx.execution.phase is not ExecutionPhase.DECODE:
+            return
+        self.waits = False
+        if (self.folder / "killed").exists():
+            return
+        (self.folder / "pid.tmp").write_text(str(os.getpid()))
+        (self.folder / "pid.tmp").rename(self.folder / "pid")
+        deadline = time.monotonic() + self.wait_seconds
+        while time.monotonic() < deadline:
+            time.sleep(0.1)
+        raise ExperimentError(f"waited {self.wait_seconds} s and nobody killed this process")

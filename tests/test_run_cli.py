@@ -186,7 +186,7 @@ def test_activation_stats_logs_per_layer_series_arrays_and_a_figure(workdir, cap
 
 def test_custom_experiment_from_the_experiments_folder(workdir, monkeypatch):
     monkeypatch.syspath_prepend(str(REPO))
-    assert run_main("experiment=steering", "max_new_tokens=3", "mlflow.experiment_name=t_steer") == 0
+    assert run_main("experiment=custom_steering", "max_new_tokens=3", "mlflow.experiment_name=t_steer") == 0
     run = only_run(workdir, "t_steer")
     assert run.info.status == "FINISHED"
     assert run.info.run_name == "steering_vector[layer=6] smollm2-135m"
@@ -277,7 +277,8 @@ def test_user_mistakes_give_one_message_and_status_2(workdir, capsys, args, mess
 
 HYDRA_MISTAKES = [
     (["experiment=zero_layr"], "experiment=zero_layr: no such option (did you mean zero_layer?); experiment "
-                               "takes one of: activation_stats, none, stats_and_zero, steering, zero_layer"),
+                               "takes one of: " + ", ".join(sorted(
+                                   p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml")))),
     (["max_new_token=5"], "unknown config key 'max_new_token' (did you mean max_new_tokens?); known keys: "),
     (["sampling.temprature=1"], "unknown config key 'sampling.temprature' (did you mean temperature?); "
                                 "sampling takes: min_p, seed, temperature, top_k, top_p"),

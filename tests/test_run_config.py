@@ -44,7 +44,11 @@ def test_default_config_is_smollm2_plain_generation():
         (["experiment=activation_stats"], ["activation_stats"]),
         (["experiment=zero_layer", "layer=7"], ["zero_layer_output"]),
         (["experiment=stats_and_zero", "layer=3"], ["zero_layer_output", "activation_stats"]),
-        (["experiment=steering"], ["experiments.steering_vector.SteeringVector"]),
+        (["experiment=custom_steering"], ["experiments.steering_vector.SteeringVector"]),
+        (["experiment=steering"], ["steering"]),
+        (["experiment=logit_lens"], ["logit_lens"]),
+        (["experiment=activation_patching"], ["activation_patching"]),
+        (["experiment=ablation", "layer=7"], ["ablation"]),
     ],
 )
 def test_every_experiment_config_composes_and_builds(overrides, names, monkeypatch):
@@ -62,6 +66,10 @@ def test_other_groups_compose():
     assert parsed("model=path", "model.source=/x/y.gguf").model.source == "/x/y.gguf"
     assert parsed("sampling=default").sampling.top_k == 40
     assert not parsed("mlflow=off").mlflow.enabled
+    assert parsed().data is None
+    capitals = parsed("data=capitals", "data.limit=5").data
+    assert capitals.path == "ember:capitals.jsonl" and capitals.limit == 5 and capitals.name == "capitals"
+    assert parsed("data=inline").data.items[0]["answer"] == " Paris"
     chat = parsed("+messages=[{role:user,content:hi}]")
     assert chat.messages == ({"role": "user", "content": "hi"},)
 
@@ -109,7 +117,8 @@ def build(*overrides: str, layer_count: int = 30):
         (["experiment=zero_layer", "layer=1", "+experiments.0.strength=2"], "has no parameter 'strength'"),
         (["experiments=[{name:zero_layer_output,layer:[1,40]}]"], "layer[1]=40 is out of range"),
         (["experiments=[{name:nope}]"], "unknown experiment 'nope' in experiments[0]; built-in experiments: "
-                                        "activation_stats, zero_layer_output"),
+                                        "ablation, activation_patching, activation_stats, logit_lens, "
+                                        "steering, zero_layer_output"),
         (["experiments=[{_target_:no_such_module.Thing}]"], "cannot import module 'no_such_module'"),
         (["experiments=[{_target_:ember.errors.ConfigError}]"], "is not an ember.experiments.Experiment"),
         (["experiments=[{name:activation_stats,phases:sometimes}]"], "'sometimes' is not one of"),

@@ -1,4 +1,6 @@
-"""The experiment hook contract (v0.1): experiments attached to a generation through fixed hooks."""
+"""The experiment hook contract: experiments attached to a generation through fixed hooks (v0.1), plus
+a read-only readout of the model's final norm and unembedding and item-by-item studies over prompt sets
+(v0.2, docs/architecture.md)."""
 
 from ember.experiments.activation_stats import ActivationStats
 from ember.experiments.adapters import DISABLED_HOOKS, ActiveHooks, DisabledHooks, HooksAdapter
@@ -15,9 +17,11 @@ from ember.experiments.context import (
     TracingState,
 )
 from ember.experiments.failure import ExperimentError, ExperimentFailure
+from ember.experiments.readout import Readout
 from ember.experiments.registry import BUILTIN_EXPERIMENTS
 from ember.experiments.results import ExperimentResult, Metric
 from ember.experiments.runner import ExperimentRunner
+from ember.experiments.study import Evaluation, ItemResult, StudyItem
 from ember.experiments.zero_layer_output import ZeroLayerOutput
 
 __all__ = [
@@ -26,6 +30,7 @@ __all__ = [
     "ActivationStats",
     "ActiveHooks",
     "DisabledHooks",
+    "Evaluation",
     "ExecutionContext",
     "ExecutionPhase",
     "Experiment",
@@ -35,10 +40,13 @@ __all__ = [
     "ExperimentRunner",
     "GenerationContext",
     "HooksAdapter",
+    "ItemResult",
     "LayerContext",
     "Metric",
     "ModelContext",
     "ModelFamily",
+    "Readout",
+    "StudyItem",
     "TensorAccess",
     "TensorDType",
     "TracingState",

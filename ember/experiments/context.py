@@ -7,7 +7,7 @@ metadata are reachable from them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
@@ -46,9 +46,12 @@ class ModelContext:
     architecture: str
     layer_count: int
     hidden_size: int
+    # v0.2: the model's final norm and unembedding as a read-only function (ember.experiments.readout);
+    # None where the engine offers none (a context built by hand).
+    readout: Any = field(default=None, compare=False, repr=False)
 
     @classmethod
-    def from_config(cls, config: Any, model_id: str | None = None) -> ModelContext:
+    def from_config(cls, config: Any, model_id: str | None = None, readout: Any = None) -> ModelContext:
         """Build from a `ModelConfig` (anything with family, architecture, layer_count, hidden_size)."""
         return cls(
             family=ModelFamily(config.family),
@@ -56,6 +59,7 @@ class ModelContext:
             architecture=str(config.architecture),
             layer_count=int(config.layer_count),
             hidden_size=int(config.hidden_size),
+            readout=readout,
         )
 
 

@@ -31,7 +31,7 @@ import numpy as np
 from ember.config import MetadataReader, ModelConfig, RopeLayout
 from ember.errors import GGUFError
 from ember.experiments.context import ExecutionPhase, ModelFamily
-from ember.families.head import final_norm_and_logits
+from ember.families.head import final_norm_and_logits, readout_logits
 from ember.families.workspace import Workspace
 from ember.gguf_file import GGUFFile
 from ember.kv_cache import LayeredKVCache
@@ -285,6 +285,11 @@ class Gemma3Forward:
             np.tanh(out, out=out)
             out *= cap
         return out
+
+    def readout(self, hidden_rows: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """Final norm + LM head (+ softcap) over any residual rows (contract v0.2 readout)."""
+        return readout_logits(hidden_rows, self.weights.output_norm, self.config.rms_norm_eps, self.lm_head,
+                              out)
 
 
 def sliding_prefill_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, key_positions: np.ndarray,

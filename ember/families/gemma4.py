@@ -44,7 +44,7 @@ import numpy as np
 from ember.config import MetadataReader, ModelConfig, RopeLayout
 from ember.errors import GGUFError
 from ember.experiments.context import ExecutionPhase, ModelFamily
-from ember.families.head import final_norm_and_logits
+from ember.families.head import final_norm_and_logits, readout_logits
 from ember.gguf_file import GGUFFile
 from ember.kv_cache import LayeredKVCache
 from ember.ops import apply_rope, attention, gather_rows, gelu_tanh_inplace, linear, rms_norm
@@ -501,6 +501,11 @@ class Gemma4Forward:
             np.tanh(out, out=out)
             out *= np.float32(cap)
         return out
+
+    def readout(self, hidden_rows: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """Final norm + LM head + softcap over any residual rows (contract v0.2 readout)."""
+        return readout_logits(hidden_rows, self.weights.output_norm, self.config.rms_norm_eps, self.logits,
+                              out)
 
 
 def build_forward(config: Gemma4Config, store: WeightStore, context_length: int) -> Gemma4Forward:

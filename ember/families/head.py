@@ -35,3 +35,17 @@ def final_norm_and_logits(hidden: np.ndarray, output_norm: np.ndarray, eps: floa
         lm_head(normed[:rows - 1], every[:rows - 1])
     every[rows - 1] = logits[0]
     return every
+
+
+def readout_logits(hidden: np.ndarray, output_norm: np.ndarray, eps: float,
+                   lm_head: Callable[[np.ndarray, np.ndarray], np.ndarray], out: np.ndarray) -> np.ndarray:
+    """The same final norm and LM head over any rows [N, H] into `out` [N, V] (a logit lens; contract
+    v0.2 `Readout`). Reads weights only; the rows are split as `final_norm_and_logits(all_logits=True)`
+    splits them (all but the last as one batch, the last alone), so the last layer's output rows give
+    the evaluation's own logits exactly."""
+    rows = hidden.shape[0]
+    normed = rms_norm(hidden, output_norm, eps, np.empty_like(hidden), np.empty((rows, 1), np.float32))
+    if rows > 1:
+        lm_head(normed[:rows - 1], out[:rows - 1])
+    lm_head(normed[rows - 1:], out[rows - 1:])
+    return out

@@ -25,7 +25,7 @@ import numpy as np
 from ember.config import MetadataReader, ModelConfig, RopeLayout
 from ember.errors import GGUFError
 from ember.experiments.context import ExecutionPhase, ModelFamily
-from ember.families.head import final_norm_and_logits
+from ember.families.head import final_norm_and_logits, readout_logits
 from ember.families.workspace import Workspace
 from ember.gguf_file import GGUFFile
 from ember.kv_cache import KVCache
@@ -220,3 +220,8 @@ class LlamaForward:
 
     def lm_head(self, normed: np.ndarray, out: np.ndarray) -> np.ndarray:
         return linear(normed, self.weights.output, out)
+
+    def readout(self, hidden_rows: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """Final norm + LM head over any residual rows (contract v0.2 readout; reads weights only)."""
+        return readout_logits(hidden_rows, self.weights.output_norm, self.config.rms_norm_eps, self.lm_head,
+                              out)

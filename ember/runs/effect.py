@@ -80,7 +80,9 @@ def record_effect(recorder: Recorder, effect: InterventionEffect) -> None:
     metrics += [("effect.top1_agree", float(v), i) for i, v in enumerate(effect.top1_agree)]
     metrics += [("effect.kl_mean", s["kl_mean"], 0), ("effect.kl_max", s["kl_max"], 0),
                 ("effect.top1_agreement", s["top1_agreement"], 0),
-                ("effect.first_divergent_step", s["first_divergent_step"], 0)]
+                ("effect.first_divergent_step", s["first_divergent_step"], 0),
+                # 1 when the intervention changed the answer's first token (a search's target)
+                ("effect.answer_changed", 1.0 if s["first_divergent_step"] == 0 else 0.0, 0)]
     recorder.log_metrics(metrics)
     recorder.log_json(s, "intervention_effect.json")
     verdict = "none: logits equal the clean model's" if effect.vacuous else (

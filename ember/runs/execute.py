@@ -3,9 +3,15 @@ traceback for a user's mistake."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+import time
 import traceback
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 from mlflow.exceptions import MlflowException
 from omegaconf import DictConfig, OmegaConf
@@ -19,6 +25,7 @@ from ember.runs import models
 from ember.runs.checkpoint import Checkpoints
 from ember.runs.effect import LogitsRecorder, measure_effect, record_effect
 from ember.runs.job import JobInfo, threads_for
+from ember.runs.objective import Objective, TrialFailed, parse_objective, sweeper_direction
 from ember.runs.prepare import Prepared, prepare
 from ember.runs.records import Recorder, generation_metrics, generation_record, model_tags
 from ember.runs.summary import experiment_summary
@@ -32,32 +39,84 @@ def say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+@dataclass(frozen=True, slots=True)
+class JobOutcome:
+    """How a job ended: its exit status and, for a job of a search, its objective."""
+
+    code: int
+    objective: float | None = None
+    searching: bool = False
+
+    def for_sweeper(self) -> Any:
+        """What the job returns to its Hydra sweeper: the objective in a search (a failed job raises,
+        so the search records a failed trial), else the exit status."""
+        if not self.searching:
+            return self.code
+        if self.code != EXIT_OK or self.objective is None:
+            raise TrialFailed(f"the job ended with exit status {self.code}")
+        return self.objective
+
+
 def execute(cfg: DictConfig) -> int:
     """Run one job end to end; return its exit status. Never raises for a user's mistake."""
+    return run_job(cfg).code
+
+
+def run_job(cfg: DictConfig) -> JobOutcome:
+    """Run one job end to end; its exit status and objective. Never raises for a user's mistake."""
     job = JobInfo.from_hydra()
+    with in_launch_dir(job):
+        return _execute(cfg, job)
+
+
+@contextlib.contextmanager
+def in_launch_dir(job: JobInfo) -> Iterator[None]:
+    """Run the job from the folder its sweep was started in, when this process is elsewhere (a Ray
+    worker starts in its raylet's folder) and that folder exists here (same machine, shared disk):
+    relative model paths, `experiments/` and the default store then mean what they meant there."""
+    here = os.getcwd()
+    target = job.launch_dir
+    if target is None or not target.is_dir() or Path(here) == target:
+        yield
+        return
+    os.chdir(target)
+    try:
+        yield
+    finally:
+        os.chdir(here)
+
+
+def _execute(cfg: DictConfig, job: JobInfo) -> JobOutcome:
+    started = time.perf_counter()
     if os.getcwd() not in sys.path:  # `_target_: experiments.my_module.MyExperiment` from here
         sys.path.insert(0, os.getcwd())
-    where = f"job #{job.number} ({' '.join(job.overrides)}): " if job.multirun else ""
+    where = job.where()
+    searching = OmegaConf.select(cfg, "objective", default=None) is not None
     try:
+        objective = parse_objective(cfg, sweeper_direction())
         prepared = prepare(cfg)
     except EmberError as error:
-        say(f"ember: {where}{error}")
-        _record_invalid_job(cfg, job, str(error))
-        return EXIT_USAGE
+        detail = _on_this_node(error, job)
+        say(f"ember: {where}{detail}")
+        _record_invalid_job(cfg, job, detail)
+        return JobOutcome(EXIT_USAGE, searching=searching)
     except Exception as error:  # a bug met while validating: say so, with the traceback
         detail = f"internal error while checking the config: {describe_error(error)}"
         say(f"ember: {where}{detail}\n{traceback.format_exc()}")
         _record_invalid_job(cfg, job, detail)
-        return EXIT_FAILED
+        return JobOutcome(EXIT_FAILED, searching=searching)
 
     threads = threads_for(job, prepared.run.threads)
     from threadpoolctl import threadpool_limits
 
     recorder = Recorder(prepared.run.mlflow, job)
     status, code, detail = FAILED, EXIT_FAILED, ""
+    value = None
     try:
         with threadpool_limits(threads):
             code, detail = _run_prepared(prepared, job, recorder, threads, where)
+            if code == EXIT_OK and objective is not None:
+                code, detail, value = _record_objective(objective, recorder, where)
             status = FINISHED if code == EXIT_OK else FAILED
     except KeyboardInterrupt:
         status, code, detail = KILLED, EXIT_INTERRUPTED, "interrupted"
@@ -69,7 +128,8 @@ def execute(cfg: DictConfig) -> int:
         recorder.set_tags({"ember.error": detail})
         code = EXIT_USAGE
     except MlflowException as error:
-        detail = f"MLflow ({recorder.settings.tracking_uri or 'default store'}): {error.message}"
+        uri = recorder.tracker.store.tracking_uri if recorder.tracker else recorder.settings.tracking_uri
+        detail = tracking.describe_mlflow_error(error, uri or "the default store")
         say(f"ember: {where}{detail}")
     except Exception as error:  # a bug, not a user mistake: keep the traceback in the record
         text = traceback.format_exc()
@@ -79,6 +139,8 @@ def execute(cfg: DictConfig) -> int:
         recorder.log_text(text, "error.txt")
     finally:
         try:
+            # The whole job in this process, validation and loading included (a sweep's per-job cost).
+            recorder.log_metrics([("job.seconds", time.perf_counter() - started, 0)])
             recorder.close(status)
             if recorder.last_run_id is not None:
                 waiting = recorder.tracker.outbox_of(recorder.last_run_id) if recorder.tracker else None
@@ -90,7 +152,20 @@ def execute(cfg: DictConfig) -> int:
         finally:
             if job.multirun and job.output_dir is not None:
                 tracking.write_job_status(job.output_dir, status, detail)
-    return code
+    return JobOutcome(code, value, searching=objective is not None)
+
+
+def _record_objective(objective: Objective, recorder: Recorder, where: str) -> tuple[int, str, float | None]:
+    """The job's objective from what it recorded, logged as the `objective` metric."""
+    try:
+        value, met = objective.evaluate(recorder.metrics)
+    except TrialFailed as error:
+        say(f"ember: {where}{error}")
+        recorder.set_tags({"ember.error": str(error)})
+        return EXIT_FAILED, str(error), None
+    recorder.log_metrics([("objective", value, 0)])
+    recorder.set_tags({"ember.objective.met": str(met).lower()})
+    return EXIT_OK, "", value
 
 
 def _run_prepared(prepared: Prepared, job: JobInfo, recorder: Recorder, threads: int,
@@ -99,7 +174,7 @@ def _run_prepared(prepared: Prepared, job: JobInfo, recorder: Recorder, threads:
     run = prepared.run
     tags = {**environment_tags(), **model_tags(prepared),
             "ember.config_digest": config_digest(prepared.plain),
-            "ember.threads": str(threads), "ember.workers": str(job.workers),
+            "ember.threads": str(threads), "ember.workers": str(job.workers), **job.place.tags(),
             "ember.experiments": ",".join(e.name for e in prepared.experiments) or "none",
             "mlflow.source.git.commit": environment_tags()["ember.git_commit"], **tracking.SOURCE_TAGS}
     recorder.start(prepared.run_name, tags, flatten(prepared.plain))
@@ -111,6 +186,8 @@ def _run_prepared(prepared: Prepared, job: JobInfo, recorder: Recorder, threads:
                        "model.context_length": str(model.context_length), "model.weights": model.weights})
     recorder.log_metrics([("model.load_seconds", 0.0 if cache_hit else model.load_seconds, 0),
                           ("model.first_load_seconds", model.load_seconds, 0)])
+    if prepared.study is not None:
+        return _run_study(prepared, model, recorder, job, where)
 
     recorder_experiment = LogitsRecorder() if prepared.effect_wanted else None
     experiments = prepared.experiments + ([recorder_experiment] if recorder_experiment else [])
@@ -180,6 +257,35 @@ def _run_prepared(prepared: Prepared, job: JobInfo, recorder: Recorder, threads:
         say(f"ember: {where}{prepared.run_name}: {generation.text!r} ({summary})")
     else:
         say(f"ember: {prepared.run_name}: {summary}")
+    return EXIT_OK, ""
+
+
+def _on_this_node(error: EmberError, job: JobInfo) -> str:
+    """A missing model file on a worker the scheduler chose: say which node looked, and where."""
+    from ember.errors import ModelSourceError
+
+    if isinstance(error, ModelSourceError) and job.place.remote and "no such model file" in str(error):
+        return (f"{error} (looked on node {job.place.host} in {os.getcwd()}; a local model path must exist "
+                f"on every node that runs jobs, or use a known model name, fetched by each node)")
+    return str(error)
+
+
+def _run_study(prepared: Prepared, model: object, recorder: Recorder, job: JobInfo,
+               where: str) -> tuple[int, str]:
+    """A prompt set item by item (ember.runs.study); a failed experiment fails the run after the
+    items done so far are recorded."""
+    from ember.runs.study import Study
+
+    outcome = Study(prepared, model, recorder, say).run()
+    for line in outcome.summary:
+        say(f"ember: {where}{line}" if line is outcome.summary[0] else line)
+    if outcome.failure is not None:
+        say(f"ember: {where}{outcome.failure} (after {outcome.items_done} of "
+            f"{len(prepared.study.items)} items)")
+        recorder.set_tags(tracking.failure_tags(tracking.failure_record(outcome.failure, None)))
+        return EXIT_FAILED, str(outcome.failure)
+    if recorder.run_id is not None and recorder.tracker is not None:
+        say(f"ember: recorded as MLflow run {recorder.run_id} in {recorder.tracker.store.tracking_uri}")
     return EXIT_OK, ""
 
 

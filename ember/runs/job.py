@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
 
+from ember.runs import placement
+from ember.runs.placement import Placement
+
 
 @dataclass(frozen=True, slots=True)
 class JobInfo:
-    """Where this job sits: a single run or job `number` of a sweep, and how many run at once."""
+    """Where this job sits: a single run or job `number` of a sweep, how many run at once, and where
+    its scheduler placed it."""
 
     multirun: bool
     number: int | None
@@ -19,6 +24,9 @@ class JobInfo:
     output_dir: Path | None
     sweep_dir: Path | None
     workers: int
+    place: Placement = field(default_factory=placement.detect)
+    # The folder the sweep was started from (Hydra's runtime.cwd), when the job runs elsewhere.
+    launch_dir: Path | None = None
 
     @classmethod
     def from_hydra(cls) -> JobInfo:
@@ -30,24 +38,43 @@ class JobInfo:
         hc = HydraConfig.get()
         multirun = hc.mode == RunMode.MULTIRUN
         launcher = str(OmegaConf.select(hc, "launcher._target_", default="") or "")
-        workers = 1
+        joblib_workers = 1
         if "joblib" in launcher.lower():
-            workers = _joblib_workers(OmegaConf.select(hc, "launcher.n_jobs", default=-1))
+            joblib_workers = _joblib_workers(OmegaConf.select(hc, "launcher.n_jobs", default=-1))
+        size = _positive_int(os.environ.get("EMBER_SWEEP_SIZE"))
+        place = placement.detect(joblib_workers=joblib_workers, sweep_size=size)
+        cwd = OmegaConf.select(hc, "runtime.cwd", default=None)
         return cls(
             multirun=multirun,
             number=int(hc.job.num) if multirun else None,
             overrides=tuple(str(o) for o in hc.overrides.task),
             output_dir=Path(hc.runtime.output_dir),
             sweep_dir=Path(hc.sweep.dir).resolve() if multirun else None,
-            workers=workers,
+            workers=joblib_workers if place.scheduler == placement.JOBLIB else 1,
+            place=place,
+            launch_dir=Path(cwd) if cwd else None,
         )
+
+    def where(self) -> str:
+        """How messages name this job: `job #3 (layer=3): ` in a sweep (`job #3 on node-7 (...)` when a
+        scheduler placed it), nothing for a single run."""
+        if not self.multirun:
+            return ""
+        on = f" on {self.place.host}" if self.place.remote else ""
+        return f"job #{self.number}{on} ({' '.join(self.overrides)}): "
+
+
+def _positive_int(text: Any) -> int | None:
+    try:
+        value = int(str(text))
+    except ValueError:
+        return None
+    return value if value > 0 else None
 
 
 def _joblib_workers(n_jobs: Any) -> int:
     """joblib's meaning of n_jobs: positive = that many, -1 = all cores, -2 = all but one, ..."""
-    from ember.model import default_threads
-
-    cores = default_threads()
+    cores = placement.cores()
     try:
         n = int(n_jobs)
     except (TypeError, ValueError):
@@ -58,9 +85,9 @@ def _joblib_workers(n_jobs: Any) -> int:
 
 
 def threads_for(job: JobInfo, requested: int | None) -> int:
-    """`threads` from the config, else the cores shared out among the parallel workers."""
+    """`threads` from the config, else the CPUs the job's scheduler granted it: all cores for a run of
+    its own, a share of them for a joblib worker or a submitit local job, Ray's `num_cpus` for a Ray
+    task, the allocation for a SLURM task."""
     if requested:
         return requested
-    from ember.model import default_threads
-
-    return max(1, default_threads() // max(1, job.workers))
+    return job.place.cpus

@@ -22,6 +22,7 @@ from ember.runconfig import (
     to_plain,
 )
 from ember.runs import models
+from ember.runs.study_plan import plan_study
 
 # Built-in experiments that only observe; any other experiment may write, unless its class says
 # `may_write = False`.
@@ -44,6 +45,7 @@ class Prepared:
     run_name: str
     effect_wanted: bool = False
     tags: dict[str, str] = field(default_factory=dict)
+    study: Any = None  # ember.runs.study_plan.StudyPlan: the prompt set this job evaluates item by item
 
 
 def prepare(cfg: DictConfig) -> Prepared:
@@ -66,7 +68,9 @@ def prepare(cfg: DictConfig) -> Prepared:
         tokenizer = Tokenizer.from_gguf(gguf)
     family = getattr(model_config.family, "value", str(model_config.family))
     experiments = build_experiments(run.experiments, BUILTIN_EXPERIMENTS, model_config.layer_count)
-    prompt_ids = prompt_token_ids(run, tokenizer)
+    context = min(run.model.context_length or model_config.context_length, model_config.context_length)
+    study = plan_study(run, experiments, tokenizer, model_config.layer_count, context)
+    prompt_ids = study.items[0].token_ids if study is not None else prompt_token_ids(run, tokenizer)
     check_model_fit(
         run,
         path=str(model_file.path),
@@ -86,9 +90,13 @@ def prepare(cfg: DictConfig) -> Prepared:
         check_memory(needed, model_file.name or Path(model_file.path).name, run.model.weights,
                      context_option="model.context_length=", weights_option="model.weights=quantized")
     label = model_label(run.model.source, model_file)
+    name = run_name(run.experiments, experiments, label)
+    if study is not None and run.data is not None:  # e.g. "ablation[layer=3] capitals×54 smollm2-135m"
+        head, _, tail = name.rpartition(" ")
+        name = f"{head} {study.prompt_set.name}×{len(study.items)} {tail}"
     effect_wanted = run.intervention_effect and any(may_write(e) for e in experiments)
-    return Prepared(run, plain, model_file, gguf, model_config, tokenizer, experiments, prompt_ids, label,
-                    run_name(run.experiments, experiments, label), effect_wanted)
+    return Prepared(run, plain, model_file, gguf, model_config, tokenizer, experiments, list(prompt_ids),
+                    label, name, effect_wanted, study=study)
 
 
 def prompt_token_ids(run: RunConfig, tokenizer: Any) -> list[int]:

@@ -21,11 +21,28 @@ class Recorder:
         self.store_uri = ""
         self.kept = ""  # what an interrupted job kept, for its console line
         self.job = job
+        # Every metric this job logged, by name: its step-0 value, else its last (tracking on or off).
+        self.metrics: dict[str, float] = {}
+        self._metric_steps: dict[str, int] = {}
+
+    def _remember(self, metrics: list[tuple[str, float, int]]) -> None:
+        for name, value, step in metrics:
+            known = self._metric_steps.get(name)
+            if known is None or (known != 0 and (step == 0 or step >= known)):
+                self.metrics[name] = float(value)
+                self._metric_steps[name] = int(step)
+
+    def log_metrics(self, metrics: Any) -> None:
+        metrics = list(metrics)
+        self._remember(metrics)
+        if self.tracker is not None and self.run_id is not None:
+            self.tracker.log_metrics(self.run_id, metrics)
 
     def start(self, name: str, tags: dict[str, Any], params: dict[str, Any]) -> None:
         if self.settings is None or not self.settings.enabled:
             return
-        self.tracker = tracking.Tracker(tracking.resolve_store(self.settings), self.settings.experiment_name)
+        store = tracking.resolve_store(self.settings, sweep_job=self.job.multirun)
+        self.tracker = tracking.Tracker(store, self.settings.experiment_name)
         parent = tracking.parent_run_id(self.job.sweep_dir) if self.job.multirun else None
         job_tags = dict(tags)
         if self.job.multirun:
@@ -43,6 +60,8 @@ class Recorder:
         return call
 
     def result(self, name: str, result: Any) -> None:
+        self._remember([(f"{name}.{m.name}", m.value, m.step) for m in result.metrics
+                        if isinstance(m.value, int | float)])
         if self.tracker is not None and self.run_id is not None:
             tracking.log_experiment_result(self.tracker, self.run_id, name, result)
 

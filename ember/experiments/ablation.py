@@ -1,0 +1,132 @@
+"""`ablation`: replace a layer's attention output, MLP output or both (its whole contribution to the
+residual stream) with zeros or with their mean over the prompt set.
+
+Zero ablation is `zero_layer_output`'s intervention. Mean ablation first runs the prompt set once
+(clean, `prepare_study`) and averages each ablated output over the items and positions; the first
+position has a mean of its own (it is where models park attention, with outsized activations; with a
+BOS token it is the same token in every item). Then,
+during every item's generation, each ablated output is replaced by its mean, in prefill and decode.
+Replacing both outputs by their means replaces the layer's whole contribution by its mean contribution.
+
+The runner measures the intervention per item against the clean model (KL divergence, top-1 agreement,
+first divergent step, and with an answer the change in its probability and logit difference).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Iterable, Sequence
+
+import numpy as np
+
+from ember.errors import ConfigError
+from ember.experiments.base import Experiment
+from ember.experiments.context import LayerContext, ModelContext, TensorAccess
+from ember.experiments.failure import ExperimentError
+from ember.experiments.parameters import parse_phases
+from ember.experiments.results import ExperimentResult, Metric
+from ember.experiments.study import Evaluation, StudyItem
+
+TARGETS = ("attention", "mlp", "both")
+MODES = ("zero", "mean")
+
+
+class Ablation(Experiment):
+    """Zero- or mean-ablate the attention and/or MLP output of the chosen layers.
+
+    Parameters: `layer` (an index or a list), `target` (attention, mlp, both), `mode` (zero, mean),
+    `phases` (prefill, decode, both), `name`.
+    """
+
+    may_write = True
+
+    def __init__(self, layer: int | Sequence[int], target: str = "both", mode: str = "zero",
+                 phases: str | Iterable[str] = "both", name: str = "ablation") -> None:
+        if target not in TARGETS:
+            raise ConfigError(f"ablation: target {target!r} is not one of {', '.join(TARGETS)}")
+        if mode not in MODES:
+            raise ConfigError(f"ablation: mode {mode!r} is not one of {', '.join(MODES)}")
+        layers = [layer] if isinstance(layer, int) else list(layer)
+        if not layers or any(isinstance(x, bool) or not isinstance(x, int) for x in layers):
+            raise ConfigError(f"ablation: layer must be a layer index or a list of them, got {layer!r}")
+        self.name = name
+        self.layers = tuple(sorted(set(layers)))
+        self._layer_set = frozenset(layers)
+        self.target = target
+        self.mode = mode
+        self.phases = parse_phases(phases)
+        self.sites = tuple(s for s in ("attention", "mlp") if target in (s, "both"))
+        self._collecting = False
+        self._sums: dict[tuple[str, int], np.ndarray] = {}   # site, layer -> [2, hidden]: first / later rows
+        self._counts: dict[tuple[str, int], np.ndarray] = {}
+        self._means: dict[tuple[str, int], np.ndarray] = {}
+        self._ablated = 0
+
+    def on_model_loaded(self, ctx: ModelContext) -> None:
+        outside = sorted(x for x in self.layers if not 0 <= x < ctx.layer_count)
+        if outside:
+            raise ExperimentError(f"layer {', '.join(map(str, outside))} is outside the model: valid layers "
+                                  f"are 0..{ctx.layer_count - 1}")
+
+    def prepare_study(self, items: Sequence[StudyItem]) -> Generator[Evaluation, np.ndarray, None]:
+        """Mean mode: one clean pass per item, averaging the outputs to ablate."""
+        if self.mode != "mean":
+            return
+        self._collecting = True
+        try:
+            for item in items:
+                yield Evaluation(item.token_ids)
+        finally:
+            self._collecting = False
+        for key, sums in self._sums.items():
+            counts = self._counts[key]
+            first = sums[0] / counts[0] if counts[0] else sums[1] / max(counts[1], 1)
+            later = sums[1] / counts[1] if counts[1] else first
+            self._means[key] = np.stack([first, later]).astype(np.float32)
+
+    def _site(self, site: str, ctx: LayerContext, tensor: TensorAccess) -> None:
+        if site not in self.sites or ctx.layer_index not in self._layer_set:
+            return
+        execution = ctx.execution
+        if self._collecting:
+            values = tensor.values()
+            key = (site, ctx.layer_index)
+            if key not in self._sums:
+                self._sums[key] = np.zeros((2, values.shape[1]))
+                self._counts[key] = np.zeros(2)
+            first_row = 1 if execution.start_position == 0 else 0
+            if first_row:
+                self._sums[key][0] += values[0]
+                self._counts[key][0] += 1
+            self._sums[key][1] += values[first_row:].sum(axis=0, dtype=np.float64)
+            self._counts[key][1] += values.shape[0] - first_row
+            return
+        if execution.phase not in self.phases:
+            return
+        self._ablated += 1
+        if self.mode == "zero":
+            tensor.zero()
+            return
+        mean = self._means.get((site, ctx.layer_index))
+        if mean is None:
+            raise ExperimentError("mean ablation needs the prompt set's means: run it in a study (data=...)")
+        values = tensor.values_mut()
+        if execution.start_position == 0:
+            values[0] = mean[0]
+            values[1:] = mean[1]
+        else:
+            values[:] = mean[1]
+
+    def after_attention(self, ctx: LayerContext, attention_output: TensorAccess) -> None:
+        self._site("attention", ctx, attention_output)
+
+    def after_mlp(self, ctx: LayerContext, mlp_output: TensorAccess) -> None:
+        self._site("mlp", ctx, mlp_output)
+
+    def results(self) -> ExperimentResult:
+        rows = [{"site": site, "layer": layer, "first_position_norm": float(np.linalg.norm(mean[0])),
+                 "mean_norm": float(np.linalg.norm(mean[1])),
+                 "rows_averaged": int(self._counts[(site, layer)].sum())}
+                for (site, layer), mean in sorted(self._means.items())]
+        return ExperimentResult(metrics=[Metric("ablated_tensors", float(self._ablated))],
+                                tables={"means": rows} if rows else {})
+

@@ -1,0 +1,257 @@
+"""`activation_patching` (causal tracing): which activations carry what distinguishes a clean prompt
+from its corrupted twin.
+
+Per item (a clean prompt, a corrupted prompt of the same token count, an answer and a wrong answer):
+
+1. the clean run is recorded at every site: the residual entering each layer (`before_layer`, so layer
+   0 is the embedding), the attention output and the MLP output (before their residual adds);
+2. the corrupted run gives the baseline;
+3. for each site, layer and position, the corrupted prompt is run again with that one activation
+   replaced by the clean run's. The score is the share of the logit difference restored,
+
+       (LD_patched - LD_corrupted) / (LD_clean - LD_corrupted),   LD = logit(answer) - logit(wrong answer)
+
+   at the last position: 1 = the clean behaviour is back, 0 = no effect.
+
+Positions before the first token where the prompts differ are not run: their activations are identical
+in both runs (the model is causal), so the patch writes the same numbers and scores exactly 0.
+`span="all"` patches every position of a layer at once (for the residual this restores exactly 100%),
+`span="none"` runs the patch passes writing nothing (a control: exactly 0%).
+
+Per item, series over layers for each site and position class: `changed_first` and `changed_last` (the
+first and last differing token), `after_changed` (the token after them) and `last` (the final
+position). Figures: layers x position-class maps averaged over the items, and layers x positions maps
+of the first `figure_items` items.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Generator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ember.errors import ConfigError
+from ember.experiments.base import Experiment
+from ember.experiments.context import ExecutionPhase, LayerContext, ModelContext, TensorAccess
+from ember.experiments.results import ExperimentResult, Metric
+from ember.experiments.study import Evaluation, ItemResult, StudyItem
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+SITES = ("residual", "attention", "mlp")
+SPANS = ("each", "all", "none")
+CLASSES = ("changed_first", "changed_last", "after_changed", "last")
+
+
+class ActivationPatching(Experiment):
+    """Patch clean activations into the corrupted run, one (site, layer, position) at a time.
+
+    Parameters: `sites` (any of residual, attention, mlp; default all three), `layers` (a list; default
+    every layer), `span` ("each" position, "all" positions at once, "none": the control), `figure_items`
+    (items that get their own layers x positions map, default 1), `name`.
+    """
+
+    may_write = True
+
+    def __init__(self, sites: Sequence[str] | str = SITES, layers: Sequence[int] | None = None,
+                 span: str = "each", figure_items: int = 1, name: str = "activation_patching") -> None:
+        sites = [sites] if isinstance(sites, str) else list(sites)
+        unknown = [s for s in sites if s not in SITES]
+        if unknown or not sites:
+            raise ConfigError(f"activation_patching: sites must be some of {', '.join(SITES)}, got {sites}")
+        if span not in SPANS:
+            raise ConfigError(f"activation_patching: span must be one of {', '.join(SPANS)}, got {span!r}")
+        self.name = name
+        self.sites = tuple(s for s in SITES if s in sites)
+        self.layers = None if layers is None else tuple(sorted(set(int(x) for x in layers)))
+        self.span = span
+        self.figure_items = figure_items
+        self._layer_count = 0
+        self._recording = False
+        self._clean: dict[tuple[str, int], np.ndarray] = {}
+        self._target: tuple[str, int, Any] | None = None  # (site, layer, rows) to patch in this pass
+        self._class_sums: np.ndarray | None = None        # [sites, layers, classes] sums over items
+        self._class_counts: np.ndarray | None = None
+        self._maps: list[dict[str, Any]] = []
+        self._items = 0
+        self._passes = 0
+        self._readout: Any = None
+
+    # -- hooks -------------------------------------------------------------------------------------
+
+    def on_model_loaded(self, ctx: ModelContext) -> None:
+        self._layer_count = ctx.layer_count
+        self._readout = ctx.readout
+        outside = [layer for layer in self.layers or () if not 0 <= layer < ctx.layer_count]
+        if outside:
+            raise ConfigError(f"activation_patching: layers {outside} are outside 0..{ctx.layer_count - 1}")
+
+    def _site(self, site: str, ctx: LayerContext, tensor: TensorAccess) -> None:
+        if ctx.execution.phase is not ExecutionPhase.PREFILL:
+            return
+        if self._recording:
+            self._clean[(site, ctx.layer_index)] = tensor.values().copy()
+        elif self._target is not None and self._target[0] == site and self._target[1] == ctx.layer_index:
+            rows = self._target[2]
+            tensor.values_mut()[rows] = self._clean[(site, ctx.layer_index)][rows]
+
+    def before_layer(self, ctx: LayerContext, hidden: TensorAccess) -> None:
+        self._site("residual", ctx, hidden)
+
+    def after_attention(self, ctx: LayerContext, attention_output: TensorAccess) -> None:
+        self._site("attention", ctx, attention_output)
+
+    def after_mlp(self, ctx: LayerContext, mlp_output: TensorAccess) -> None:
+        self._site("mlp", ctx, mlp_output)
+
+    # -- a study item ------------------------------------------------------------------------------
+
+    def check_items(self, items: Sequence[StudyItem]) -> None:
+        for item in items:
+            missing = [f for f in ("corrupted", "answer", "wrong_answer") if getattr(item, f) is None]
+            if missing:
+                raise ConfigError(f"item {item.index} has no {', '.join(missing)}; activation patching "
+                                  f"needs clean/corrupted pairs with an answer and a wrong answer "
+                                  f"(e.g. data=capitals)")
+            if len(item.corrupted_ids or ()) != len(item.token_ids):
+                raise ConfigError(f"item {item.index}: the corrupted prompt has "
+                                  f"{len(item.corrupted_ids or ())} tokens, the clean one "
+                                  f"{len(item.token_ids)}; patching needs equal lengths")
+            if tuple(item.corrupted_ids or ()) == tuple(item.token_ids):
+                raise ConfigError(f"item {item.index}: the clean and corrupted prompts are the same tokens")
+
+    def evaluate_item(self, item: StudyItem) -> Generator[Evaluation, np.ndarray, ItemResult]:
+        answer, wrong = item.answer_id, item.wrong_answer_id
+        assert answer is not None and wrong is not None and item.corrupted_ids is not None
+        self._recording = True
+        clean = yield Evaluation(item.token_ids)
+        self._recording = False
+        corrupted = yield Evaluation(item.corrupted_ids, attach=False)
+        ld_clean = float(clean[answer] - clean[wrong])
+        ld_corrupted = float(corrupted[answer] - corrupted[wrong])
+        span = ld_clean - ld_corrupted
+        layers = self.layers if self.layers is not None else tuple(range(self._layer_count))
+        T = len(item.token_ids)
+        differ = np.flatnonzero(np.array(item.token_ids) != np.array(item.corrupted_ids))
+        first, last_changed = int(differ[0]), int(differ[-1])
+        columns: list[Any] = list(range(T)) if self.span == "each" else [self.span]
+        scores = np.full((len(self.sites), len(layers), len(columns)), np.nan)
+        for s, site in enumerate(self.sites):
+            for j, layer in enumerate(layers):
+                for k, column in enumerate(columns):
+                    if column == "all":
+                        rows: Any = slice(None)
+                    elif column == "none":
+                        rows = slice(0, 0)
+                    elif column < first:
+                        scores[s, j, k] = 0.0  # identical in both runs: the patch changes nothing
+                        continue
+                    else:
+                        rows = slice(column, column + 1)
+                    self._target = (site, layer, rows)
+                    patched = yield Evaluation(item.corrupted_ids)
+                    self._passes += 1
+                    ld = float(patched[answer] - patched[wrong])
+                    scores[s, j, k] = (ld - ld_corrupted) / span if abs(span) > 1e-6 else math.nan
+        self._target = None
+        self._clean = {}
+        self._items += 1
+        result = ItemResult(values={"logit_diff_clean": ld_clean, "logit_diff_corrupted": ld_corrupted},
+                            row={"changed_positions": [int(p) for p in differ]})
+        if self.span == "each":
+            picks = {"changed_first": first, "changed_last": last_changed,
+                     "after_changed": last_changed + 1 if last_changed + 1 < T else None, "last": T - 1}
+            self._accumulate(scores, picks)
+            for s, site in enumerate(self.sites):
+                for name, position in picks.items():
+                    if position is not None:
+                        result.series[f"{site}.{name}"] = dict(zip(layers, scores[s, :, position].tolist(),
+                                                                   strict=True))
+                result.values[f"{site}.max"] = float(np.nanmax(scores[s])) if np.isfinite(scores[s]).any() \
+                    else math.nan
+            result.key = tuple(f"{site}.{name}" for site in self.sites for name in ("changed_last", "last"))
+            if len(self._maps) < self.figure_items:
+                self._maps.append({"item": item.index, "scores": scores, "layers": layers,
+                                   "first": first, "tokens": self._tokens(item)})
+        else:
+            for s, site in enumerate(self.sites):
+                per_layer = scores[s, :, 0].tolist()
+                result.series[f"{site}.{self.span}"] = dict(zip(layers, per_layer, strict=True))
+            result.key = tuple(f"{site}.{self.span}" for site in self.sites)
+        return result
+
+    def _tokens(self, item: StudyItem) -> list[str]:
+        if self._readout is None:
+            return [str(t) for t in item.token_ids]
+        clean = self._readout.token_text(item.token_ids)
+        corrupted = self._readout.token_text(item.corrupted_ids or ())
+        return [a if a == b else f"{a}/{b}" for a, b in zip(clean, corrupted, strict=True)]
+
+    def _accumulate(self, scores: np.ndarray, picks: dict[str, int | None]) -> None:
+        if self._class_sums is None:
+            self._class_sums = np.zeros((scores.shape[0], scores.shape[1], len(CLASSES)))
+            self._class_counts = np.zeros_like(self._class_sums)
+        assert self._class_counts is not None
+        for c, name in enumerate(CLASSES):
+            position = picks[name]
+            if position is None:
+                continue
+            values = scores[:, :, position]
+            finite = np.isfinite(values)
+            self._class_sums[:, :, c] += np.where(finite, values, 0.0)
+            self._class_counts[:, :, c] += finite
+
+    def results(self) -> ExperimentResult:
+        metrics = [Metric("items", float(self._items)), Metric("patch_passes", float(self._passes))]
+        builders: dict[str, Any] = {}
+        arrays: dict[str, np.ndarray] = {}
+        if self._class_sums is not None and self._class_counts is not None:
+            with np.errstate(invalid="ignore", divide="ignore"):
+                mean = self._class_sums / self._class_counts
+            arrays["mean_restored_by_class"] = mean
+            layers = self.layers if self.layers is not None else tuple(range(self._layer_count))
+            builders["mean_restored"] = lambda: _class_figure(mean, self.sites, layers, self._items)
+        for entry in self._maps:
+            arrays[f"item{entry['item']}_restored"] = entry["scores"]
+            builders[f"item{entry['item']}_restored"] = lambda e=entry: _item_figure(e, self.sites)
+        return ExperimentResult(metrics=metrics, arrays=arrays, figure_builders=builders)
+
+
+def _class_figure(mean: np.ndarray, sites: Sequence[str], layers: Sequence[int], items: int) -> Figure:
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(4.2 * len(sites) + 1, max(4, 0.22 * len(layers) + 1.5)), layout="constrained")
+    axes = figure.subplots(1, len(sites), squeeze=False)[0]
+    for ax, s, site in zip(axes, range(len(sites)), sites, strict=True):
+        image = ax.imshow(mean[s], aspect="auto", origin="lower", cmap="RdBu_r", vmin=-1, vmax=1,
+                          extent=(-0.5, len(CLASSES) - 0.5, layers[0] - 0.5, layers[-1] + 0.5))
+        ax.set_xticks(range(len(CLASSES)), [c.replace("_", "\n") for c in CLASSES], fontsize=8)
+        ax.set_title(f"{site}")
+        ax.set_ylabel("layer")
+    figure.colorbar(image, ax=axes, label="share of logit difference restored")
+    figure.suptitle(f"activation patching, mean over {items} items")
+    return figure
+
+
+def _item_figure(entry: dict[str, Any], sites: Sequence[str]) -> Figure:
+    from matplotlib.figure import Figure
+
+    scores, layers = entry["scores"], entry["layers"]
+    positions = scores.shape[2]
+    figure = Figure(figsize=(max(4, 0.6 * positions + 2) * len(sites), max(4, 0.22 * len(layers) + 1.5)),
+                    layout="constrained")
+    axes = figure.subplots(1, len(sites), squeeze=False)[0]
+    for ax, s, site in zip(axes, range(len(sites)), sites, strict=True):
+        image = ax.imshow(scores[s], aspect="auto", origin="lower", cmap="RdBu_r", vmin=-1, vmax=1,
+                          extent=(-0.5, positions - 0.5, layers[0] - 0.5, layers[-1] + 0.5))
+        labels = [f"{p}\n{t!r}"[:18] for p, t in enumerate(entry["tokens"])]
+        ax.set_xticks(range(positions), labels, fontsize=7)
+        ax.set_xlabel("position (clean/corrupted token)")
+        ax.set_ylabel("layer")
+        ax.set_title(site)
+    figure.colorbar(image, ax=axes, label="share of logit difference restored")
+    figure.suptitle(f"activation patching, item {entry['item']}")
+    return figure

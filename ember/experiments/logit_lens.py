@@ -1,0 +1,167 @@
+"""`logit_lens`: every layer's residual stream read out through the model's own final norm and
+unembedding (the contract's `Readout`, v0.2). It only observes.
+
+Per item (one prefill of the prompt): for every layer, the residual leaving it (`after_layer`) at every
+position goes through `ctx.model.readout`. At the last position it scores the target token: the item's
+answer (its first token), or without an answer the model's own prediction (the top token of the final
+layer, which is the model's output). Per layer: the target's probability, rank (0 = top) and logit, the
+KL divergence of the model's final distribution from this layer's, and the top-k tokens. At the last
+layer the readout equals the model's logits bit for bit (tested), so the last layer's values are the
+model's own.
+
+Series (step = layer): `target_prob`, `target_rank`, `target_logit`, `kl_to_final`. Figures: for the first
+`figure_items` items, a layers x positions map of the probability each layer gives the token that
+position predicts (the next prompt token, the target at the last position), with each layer's top
+token written in the cell.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ember.errors import ConfigError
+from ember.experiments.base import Experiment
+from ember.experiments.context import ExecutionPhase, LayerContext, ModelContext, TensorAccess
+from ember.experiments.failure import ExperimentError
+from ember.experiments.readout import log_softmax
+from ember.experiments.results import ExperimentResult
+from ember.experiments.study import Evaluation, ItemResult, StudyItem
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+
+class LogitLens(Experiment):
+    """Read every layer's residual through the final norm and unembedding.
+
+    Parameters: `top_k` (tokens listed per layer, default 5), `figure_items` (items that get a
+    layers x positions figure, default 1), `name`.
+    """
+
+    may_write = False
+
+    def __init__(self, top_k: int = 5, figure_items: int = 1, name: str = "logit_lens") -> None:
+        if top_k < 1:
+            raise ConfigError(f"logit_lens: top_k must be at least 1, got {top_k}")
+        if figure_items < 0:
+            raise ConfigError(f"logit_lens: figure_items must be 0 or more, got {figure_items}")
+        self.name = name
+        self.top_k = top_k
+        self.figure_items = figure_items
+        self._readout: Any = None
+        self._layer_logits: dict[int, np.ndarray] = {}
+        self._every_position = False  # this item gets a layers x positions figure
+        self._top_rows: list[dict[str, Any]] = []
+        self._maps: list[dict[str, Any]] = []
+
+    def on_model_loaded(self, ctx: ModelContext) -> None:
+        if ctx.readout is None:
+            raise ExperimentError("this engine offers no readout (contract v0.2), which the logit lens needs")
+        self._readout = ctx.readout
+
+    def before_prefill(self, ctx: Any) -> None:
+        self._layer_logits = {}
+
+    def after_layer(self, ctx: LayerContext, hidden: TensorAccess) -> None:
+        if ctx.execution.phase is ExecutionPhase.PREFILL:
+            rows = hidden.values() if self._every_position else hidden.values()[-1:]
+            self._layer_logits[ctx.layer_index] = self._readout.logits(rows)
+
+    # -- a study item ------------------------------------------------------------------------------
+
+    def evaluate_item(self, item: StudyItem) -> Generator[Evaluation, np.ndarray, ItemResult]:
+        self._every_position = len(self._maps) < self.figure_items
+        model_logits = yield Evaluation(item.token_ids)
+        layers = sorted(self._layer_logits)
+        stack = np.stack([self._layer_logits[layer] for layer in layers])  # [L, T, V]
+        last = stack[:, -1, :]
+        target = item.answer_id if item.answer_id is not None else int(np.argmax(model_logits))
+        log_probs = log_softmax(last)                                       # [L, V]
+        final = log_probs[-1]
+        kl = (np.exp(final) * (final - log_probs)).sum(axis=-1)
+        series = {
+            "target_prob": np.exp(log_probs[:, target]),
+            "target_rank": (last > last[:, target:target + 1]).sum(axis=-1).astype(np.float64),
+            "target_logit": last[:, target].astype(np.float64),
+            "kl_to_final": np.maximum(kl, 0.0),
+        }
+        top = _top_k(last, self.top_k)
+        texts = self._readout.token_text(top.ravel())
+        for i, layer in enumerate(layers):
+            for rank in range(self.top_k):
+                token = int(top[i, rank])
+                self._top_rows.append({"item": item.index, "layer": layer, "rank": rank, "token_id": token,
+                                       "token": texts[i * self.top_k + rank],
+                                       "prob": float(np.exp(log_probs[i, token]))})
+        if self._every_position:
+            self._maps.append(self._position_map(item, stack, target))
+        self._layer_logits = {}
+        target_text = self._readout.token_text([target])[0]
+        by_layer = {name: {layer: float(v) for layer, v in zip(layers, values, strict=True)}
+                    for name, values in series.items()}
+        final_top = self._readout.token_text([int(np.argmax(last[-1]))])[0]
+        return ItemResult(
+            values={"final_target_prob": float(series["target_prob"][-1]),
+                    "first_layer_top1": float(_first_layer_where(top[:, 0] == target, layers))},
+            series=by_layer,
+            row={"target": target_text, "model_top1": final_top},
+            key=("target_prob", "kl_to_final"),
+        )
+
+    def _position_map(self, item: StudyItem, stack: np.ndarray, target: int) -> dict[str, Any]:
+        predicted = [*item.token_ids[1:], target]
+        log_probs = log_softmax(stack)                                     # [L, T, V]
+        positions = np.arange(stack.shape[1])
+        probs = np.exp(log_probs[:, positions, predicted])                # [L, T]
+        tops = np.argmax(stack, axis=-1)                                   # [L, T]
+        return {"item": item.index, "probs": probs,
+                "tops": np.array(self._readout.token_text(tops.ravel()), dtype=object).reshape(tops.shape),
+                "inputs": self._readout.token_text(item.token_ids),
+                "predicted": self._readout.token_text(predicted)}
+
+    def results(self) -> ExperimentResult:
+        arrays = {f"item{m['item']}_target_probs": m["probs"] for m in self._maps}
+        builders = {f"item{m['item']}_layers_by_positions": (lambda m=m: _map_figure(m)) for m in self._maps}
+        return ExperimentResult(tables={"top_tokens": self._top_rows}, arrays=arrays,
+                                figure_builders=builders)
+
+
+def _top_k(logits: np.ndarray, k: int) -> np.ndarray:
+    """Indices of each row's k largest values, largest first (a partition, then a sort of k)."""
+    k = min(k, logits.shape[-1])
+    part = np.argpartition(-logits, k - 1, axis=-1)[:, :k]
+    order = np.argsort(-np.take_along_axis(logits, part, axis=-1), axis=-1, kind="stable")
+    return np.take_along_axis(part, order, axis=-1)
+
+
+def _first_layer_where(hits: np.ndarray, layers: Sequence[int]) -> int:
+    """The first layer from which the target stays the top token to the end (-1: not even at the end)."""
+    for i in range(len(layers)):
+        if hits[i:].all():
+            return layers[i]
+    return -1
+
+
+def _map_figure(entry: dict[str, Any]) -> Figure:
+    from matplotlib.figure import Figure
+
+    probs, tops = entry["probs"], entry["tops"]
+    layers, positions = probs.shape
+    figure = Figure(figsize=(max(6, 1.1 * positions + 2), max(4, 0.28 * layers + 1.5)), layout="constrained")
+    ax = figure.subplots()
+    image = ax.imshow(probs, aspect="auto", origin="lower", cmap="viridis", vmin=0.0, vmax=1.0)
+    figure.colorbar(image, ax=ax, label="probability of the predicted token")
+    if positions <= 24:
+        for layer in range(layers):
+            for position in range(positions):
+                text = repr(str(tops[layer, position]))[1:-1][:10]
+                ax.text(position, layer, text, ha="center", va="center",
+                        fontsize=6, color="white" if probs[layer, position] < 0.5 else "black")
+    ax.set_xticks(range(positions), [f"{i}\n{t!r}"[:14] for i, t in enumerate(entry["inputs"])], fontsize=7)
+    ax.set_xlabel("position (input token); cells: the layer's top token")
+    ax.set_ylabel("layer")
+    ax.set_title(f"logit lens, item {entry['item']}")
+    return figure

@@ -1,0 +1,369 @@
+"""A study: every item of a prompt set evaluated with the model loaded once, then aggregated.
+
+Per item, either the experiment that evaluates items itself (`evaluate_item`, contract v0.2) asks for
+its passes, or the runner generates once with the experiments attached (a fresh instance of each v0.1
+experiment per item) and measures: the answer's probability, rank and logit (and the logit difference to
+`wrong_answer`) at the first generated position, whether the answer's first token is the top prediction
+(`answer.correct`), and for interventions the effect against the clean model over the same tokens (KL,
+top-1 agreement, first divergent step; the clean answer metrics and their deltas).
+
+Recorded: the prompt set as the run's dataset input; one row per item in the `study/items.json` table;
+per metric (and per step of a series) the mean, standard error and 95% bootstrap interval as metrics
+(`name`, `name.se`, `name.ci_low`, `name.ci_high`; series with the step, e.g. the layer); a figure per key
+series; the experiments' own study results; timings (`study.engine_seconds`, `study.runner_seconds`,
+...). Metrics go in batches of up to 1000 values per MLflow call.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ember.experiments import BUILTIN_EXPERIMENTS, ExperimentFailure
+from ember.experiments.readout import log_softmax
+from ember.experiments.runner import ExperimentRunner
+from ember.experiments.study import Evaluation, ItemResult, StudyItem
+from ember.runconfig import build_experiments
+from ember.runs.effect import LogitsRecorder, intervention_effect
+from ember.runs.prepare import may_write
+from ember.studies.aggregate import Aggregate, aggregate_columns
+from ember.studies.figures import series_figure
+
+# Timings of one study: model evaluations, experiment code between them, and everything else.
+_TIMING_METRICS = ("engine_seconds", "experiment_seconds", "runner_seconds", "total_seconds")
+
+
+@dataclass(slots=True)
+class Clock:
+    engine: float = 0.0
+    experiment: float = 0.0
+    started: float = field(default_factory=time.perf_counter)
+
+    def timed(self, slot: str, call: Callable[[], Any]) -> Any:
+        start = time.perf_counter()
+        try:
+            return call()
+        finally:
+            setattr(self, slot, getattr(self, slot) + time.perf_counter() - start)
+
+
+@dataclass(slots=True)
+class StudyOutcome:
+    items_done: int
+    failure: ExperimentFailure | None
+    summary: list[str]
+
+
+class Study:
+    """One study job: `run()` evaluates, aggregates and records; the caller closes the run."""
+
+    def __init__(self, prepared: Any, model: Any, recorder: Any, say: Callable[[str], None],
+                 progress: bool = True) -> None:
+        self.prepared = prepared
+        self.plan = prepared.study
+        self.model = model
+        self.recorder = recorder
+        self.say = say
+        self.progress = progress
+        self.clock = Clock()
+        self.rows: list[dict[str, Any]] = []
+        self.values: list[dict[tuple[str, int], float]] = []
+        self.series_names: set[str] = set()
+        self.key: list[str] = []
+
+    # -- evaluation ------------------------------------------------------------------------------
+
+    def run(self) -> StudyOutcome:
+        from ember.progress import Progress
+
+        plan, run = self.plan, self.prepared.run
+        self._record_dataset()
+        failure: ExperimentFailure | None = None
+        try:
+            for experiment in [*([plan.driver] if plan.driver is not None else []), *plan.shared]:
+                prepare = getattr(experiment, "prepare_study", None)
+                if callable(prepare):
+                    with Progress(f"preparing {experiment.name} over {len(plan.items)} items",
+                                  total=len(plan.items), enabled=self.progress):
+                        self._drive(experiment, prepare(plan.items))
+            label = f"{plan.prompt_set.name}: {len(plan.items)} items"
+            with Progress(label, total=len(plan.items), enabled=self.progress) as advance:
+                for item in plan.items:
+                    if plan.driver is not None:
+                        result = _prefixed(self._drive(plan.driver, plan.driver.evaluate_item(item)),
+                                           plan.driver.name)
+                    else:
+                        result = self._generate(item, run)
+                    self._collect(item, result)
+                    advance(1)
+        except ExperimentFailure as error:
+            failure = error
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: keep what the items done so far showed
+            if self.rows:
+                try:
+                    self._record(None)
+                except Exception as error:
+                    self.say(f"ember: the partial study could not be recorded: {error}")
+            raise
+        summary = self._record(failure)
+        return StudyOutcome(len(self.rows), failure, summary)
+
+    def _drive(self, experiment: Any, steps: Generator[Evaluation, np.ndarray, Any] | None) -> Any:
+        """Answer an experiment's evaluation requests until it returns (its ItemResult, or None)."""
+        if steps is None:
+            return None
+        reply: np.ndarray | None = None
+        while True:
+            try:
+                request = self.clock.timed("experiment", lambda: steps.send(reply))  # noqa: B023
+            except StopIteration as done:
+                return done.value
+            reply = self.clock.timed("engine", lambda: self._evaluate(experiment, request))  # noqa: B023
+
+    def _evaluate(self, experiment: Any, request: Evaluation) -> np.ndarray:
+        return evaluate_request(self.model, experiment, request)
+
+    def _generate(self, item: StudyItem, run: Any) -> ItemResult:
+        """The runner's own per-item pass: one generation with the experiments attached."""
+        fresh = build_experiments(self.plan.per_item_specs, BUILTIN_EXPERIMENTS,
+                                  self.model.config.layer_count)
+        attached = fresh + list(self.plan.shared)
+        writes = run.intervention_effect and any(may_write(e) for e in attached)
+        logits_seen = LogitsRecorder()
+        generation = self.clock.timed("engine", lambda: self.model.generate(
+            list(item.token_ids), max_new_tokens=run.max_new_tokens, temperature=run.sampling.temperature,
+            top_k=run.sampling.top_k, top_p=run.sampling.top_p, min_p=run.sampling.min_p,
+            seed=run.sampling.seed, experiments=[*attached, logits_seen], stop_at_eog=run.stop_at_eog))
+        result = ItemResult(row={"generated": generation.text})
+        for experiment in fresh:
+            _add_metrics(result, experiment.name, generation.experiment_results[experiment.name].metrics)
+        first = logits_seen.rows[0]
+        result.values.update(answer_values(first, item))
+        if writes and logits_seen.rows:
+            steps = min(len(logits_seen.rows), len(generation.token_ids) + 1)
+            sequence = list(item.token_ids) + list(generation.token_ids[: steps - 1])
+            clean = self.clock.timed("engine", lambda: self.model.logits(sequence))
+            clean = clean[len(item.token_ids) - 1: len(item.token_ids) - 1 + steps]
+            effect = intervention_effect(clean, np.stack(logits_seen.rows[:steps]))
+            summary = effect.summary()
+            result.values.update({"effect.kl_mean": summary["kl_mean"], "effect.kl_max": summary["kl_max"],
+                                  "effect.top1_agreement": summary["top1_agreement"],
+                                  "effect.first_divergent_step": float(summary["first_divergent_step"]),
+                                  # its mean over the set: the share of answers the intervention changed
+                                  "effect.answer_changed": float(summary["first_divergent_step"] == 0)})
+            clean_values = answer_values(clean[0], item)
+            for name, value in clean_values.items():
+                result.values[f"clean.{name}"] = value
+            for name in ("answer.prob", "answer.logit_diff"):
+                if name in clean_values:
+                    result.values[f"{name}_delta"] = result.values[name] - clean_values[name]
+            result.key = ("effect.kl_mean", "effect.top1_agreement") + (
+                ("answer.logit_diff_delta",) if item.wrong_answer_ids else
+                ("answer.prob_delta",) if item.answer_ids else ())
+        elif item.answer_ids:
+            result.key = ("answer.prob", "answer.correct") + (
+                ("answer.logit_diff",) if item.wrong_answer_ids else ())
+        return result
+
+    def _collect(self, item: StudyItem, result: ItemResult | None) -> None:
+        result = result if result is not None else ItemResult()
+        row: dict[str, Any] = {"item": item.index, "prompt": item.text}
+        for name in ("label", "answer", "wrong_answer", "corrupted"):
+            if getattr(item, name) is not None:
+                row[name] = getattr(item, name)
+        row.update(result.row)
+        values: dict[tuple[str, int], float] = {}
+        for name, value in result.values.items():
+            values[(name, 0)] = float(value)
+            row[name] = _plain(value)
+        for name, series in result.series.items():
+            self.series_names.add(name)
+            for step, value in series.items():
+                values[(name, int(step))] = float(value)
+        for name in result.key:
+            if name not in self.key:
+                self.key.append(name)
+        self.rows.append(row)
+        self.values.append(values)
+
+    # -- records ---------------------------------------------------------------------------------
+
+    def _record_dataset(self) -> None:
+        prompts = self.plan.prompt_set
+        inline = {"tags": {"ember.data": "inline"}}
+        source = {"uri": prompts.source} if prompts.source_type == "local" else inline
+        schema = {"mlflow_colspec": [{"type": "string", "name": name, "required": False}
+                                     for name in prompts.fields()]}
+        self.recorder.log_dataset(prompts.name, prompts.digest, prompts.source_type, source, schema,
+                                  len(prompts.items))
+
+    def aggregates(self) -> dict[tuple[str, int], Aggregate]:
+        keys: list[tuple[str, int]] = []
+        seen: set[tuple[str, int]] = set()
+        for values in self.values:
+            for key in values:
+                if key not in seen:
+                    seen.add(key)
+                    keys.append(key)
+        columns = {key: [values.get(key, math.nan) for values in self.values] for key in keys}
+        return aggregate_columns(columns)
+
+    def _record(self, failure: ExperimentFailure | None) -> list[str]:
+        aggregates = self.aggregates() if self.values else {}
+        recorder, plan = self.recorder, self.plan
+        metrics: list[tuple[str, float, int]] = [("study.items", float(len(self.rows)), 0)]
+        for (name, step), agg in aggregates.items():
+            if math.isfinite(agg.mean):
+                metrics.append((name, agg.mean, step))
+                metrics += [(f"{name}.{part}", value, step) for part, value in
+                            (("se", agg.se), ("ci_low", agg.ci_low), ("ci_high", agg.ci_high))
+                            if math.isfinite(value)]
+        if self.rows:
+            recorder.log_table(_columns(self.rows), "study/items.json")
+        key = [name for name in self.key if any(k[0] == name for k in aggregates)]
+        for name in key:
+            if name in self.series_names:
+                steps = sorted(step for (n, step) in aggregates if n == name)
+                figure = series_figure(name, steps, [aggregates[(name, s)] for s in steps],
+                                       f"{plan.prompt_set.name}, {len(self.rows)} items")
+                recorder.log_figure(figure, f"study/{name}.png")
+        results = {}
+        for experiment in [*([plan.driver] if plan.driver is not None else []), *plan.shared]:
+            try:
+                results[experiment.name] = experiment.results()
+            except Exception as error:  # its partial results are lost, the study's are not
+                if failure is None:
+                    raise
+                self.say(f"ember: {experiment.name}.results() failed after the failure: {error}")
+        for name, result in results.items():
+            recorder.result(name, result)
+        total = time.perf_counter() - self.clock.started
+        runner = max(0.0, total - self.clock.engine - self.clock.experiment)
+        timings = dict(zip(_TIMING_METRICS, (self.clock.engine, self.clock.experiment, runner, total),
+                           strict=True))
+        metrics += [(f"study.{name}", value, 0) for name, value in timings.items()]
+        recorder.log_metrics(metrics)
+        recorder.set_tags({"ember.study.data": plan.prompt_set.name,
+                           "ember.study.digest": plan.prompt_set.digest,
+                           "ember.study.items": str(len(self.rows)),
+                           "ember.study.key_metrics": ",".join(key)})
+        self.timings = timings
+        return self._summary(aggregates, key, timings)
+
+    def _summary(self, aggregates: dict[tuple[str, int], Aggregate], key: Sequence[str],
+                 timings: dict[str, float]) -> list[str]:
+        prompts = self.plan.prompt_set
+        engine = timings["engine_seconds"]
+        share = f" ({timings['runner_seconds'] / engine:.1%} of engine time)" if engine > 0 else ""
+        lines = [f"study of {len(self.rows)} items of {prompts.name} (digest {prompts.digest}) in "
+                 f"{timings['total_seconds']:.1f} s: engine {engine:.1f} s, runner "
+                 f"{timings['runner_seconds']:.2f} s{share}"]
+        for name in key:
+            if name in self.series_names:
+                steps = [(step, agg) for (n, step), agg in aggregates.items() if n == name]
+                step, agg = max(steps, key=lambda pair: abs(pair[1].mean))
+                lines.append(f"  {name}: largest at step {step}: {_interval(agg)}")
+            elif (name, 0) in aggregates:
+                lines.append(f"  {name}: {_interval(aggregates[(name, 0)])}")
+        return lines
+
+
+def evaluate_request(model: Any, experiment: Any, request: Evaluation) -> np.ndarray:
+    """One requested evaluation: a prefill over a fresh cache, the experiment's hooks attached (unless
+    `attach=False`), through the same lifecycle as a generation; the last position's logits."""
+    ids = list(request.token_ids)
+    if not request.attach:
+        return model.evaluate(ids)
+    runner = ExperimentRunner([experiment], model.model_context)
+    runner.on_model_loaded()
+    runner.before_prefill(0, len(ids))
+    logits = model.evaluate(ids, observer=runner.hooks)
+    runner.on_generation_complete(len(ids), 0, 0)
+    return logits
+
+
+def drive(steps: Generator[Evaluation, np.ndarray, Any] | None,
+          answer: Callable[[Evaluation], np.ndarray]) -> Any:
+    """Answer a study generator's evaluation requests until it returns; its return value."""
+    if steps is None:
+        return None
+    reply: np.ndarray | None = None
+    while True:
+        try:
+            request = steps.send(reply)
+        except StopIteration as done:
+            return done.value
+        reply = answer(request)
+
+
+def run_item(model: Any, experiment: Any, item: StudyItem) -> ItemResult | None:
+    """One item through an experiment's own passes, as a study runs it (outside a job: tests, notebooks)."""
+    return drive(experiment.evaluate_item(item), lambda request: evaluate_request(model, experiment, request))
+
+
+def answer_values(logits: np.ndarray, item: StudyItem) -> dict[str, float]:
+    """The answer's probability, rank (0 = top) and logit, and the logit difference to the wrong answer."""
+    if item.answer_id is None:
+        return {}
+    answer = item.answer_id
+    logits = np.asarray(logits, dtype=np.float32).reshape(-1)
+    rank = float((logits > logits[answer]).sum())
+    out = {"answer.prob": float(np.exp(log_softmax(logits)[answer])), "answer.rank": rank,
+           "answer.correct": float(rank == 0), "answer.logit": float(logits[answer])}
+    if item.wrong_answer_id is not None:
+        out["answer.logit_diff"] = float(logits[answer] - logits[item.wrong_answer_id])
+    return out
+
+
+def _add_metrics(result: ItemResult, prefix: str, metrics: Sequence[Any]) -> None:
+    """A v0.1 experiment's metrics: a name seen once at step 0 is a value, anything else a series."""
+    by_name: dict[str, dict[int, float]] = {}
+    for metric in metrics:
+        if isinstance(metric.value, int | float) and math.isfinite(float(metric.value)):
+            by_name.setdefault(f"{prefix}.{metric.name}", {})[int(metric.step)] = float(metric.value)
+    for name, steps in by_name.items():
+        if list(steps) == [0]:
+            result.values[name] = steps[0]
+        else:
+            result.series[name] = steps
+
+
+def _prefixed(result: ItemResult | None, prefix: str) -> ItemResult:
+    """An experiment's item result with its names under the experiment's name (`logit_lens.target_prob`)."""
+    if result is None:
+        return ItemResult()
+    return ItemResult({f"{prefix}.{k}": v for k, v in result.values.items()},
+                      {f"{prefix}.{k}": v for k, v in result.series.items()}, dict(result.row),
+                      tuple(f"{prefix}.{k}" for k in result.key))
+
+
+def _interval(agg: Aggregate) -> str:
+    return f"{agg.mean:.4g} [95% CI {agg.ci_low:.4g}, {agg.ci_high:.4g}] (n={agg.n})"
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def _columns(rows: Sequence[dict[str, Any]]) -> dict[str, list[Any]]:
+    names: list[str] = []
+    for row in rows:
+        names.extend(k for k in row if k not in names)
+    return {name: [_cell(row.get(name)) for row in rows] for name in names}
+
+
+def _cell(value: Any) -> Any:
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, list | tuple | dict):
+        import json
+
+        return json.dumps(value, default=str)
+    return value

@@ -1,0 +1,1 @@
+"""ember's Hydra launcher plugins (see ray_launcher.py)."""

@@ -1,0 +1,206 @@
+"""The built-in study experiments on SmolLM2, item by item (the runner's passes, without a job):
+the readout (contract v0.2), logit lens, activation patching, ablation and steering."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ember.data import load_prompt_set, parse_data_spec
+from ember.experiments import Experiment
+from ember.experiments.ablation import Ablation
+from ember.experiments.activation_patching import ActivationPatching
+from ember.experiments.logit_lens import LogitLens
+from ember.experiments.readout import log_softmax
+from ember.experiments.steering import Steering, make_direction
+from ember.experiments.study import Evaluation
+from ember.experiments.zero_layer_output import ZeroLayerOutput
+from ember.runs.study import drive, evaluate_request, run_item
+from ember.runs.study_plan import study_item
+
+
+def items_of(model, name: str, limit: int):
+    prompts = load_prompt_set(parse_data_spec({"path": f"ember:{name}.jsonl", "limit": limit}))
+    return [study_item(i, item, model.tokenizer) for i, item in enumerate(prompts.items)]
+
+
+class Residuals(Experiment):
+    """Keeps every layer's prefill output rows and the last logits row."""
+
+    name = "residuals"
+    may_write = False
+
+    def __init__(self) -> None:
+        self.rows: dict[int, np.ndarray] = {}
+        self.logits: np.ndarray | None = None
+
+    def after_layer(self, ctx, hidden):
+        if ctx.execution.phase.value == "prefill":
+            self.rows[ctx.layer_index] = hidden.values().copy()
+
+    def after_logits(self, ctx, logits):
+        if self.logits is None:
+            self.logits = logits.values().copy()
+
+
+IDS = [504, 3575, 282, 4649, 314]  # "The capital of France is"
+
+
+def test_readout_of_the_last_layer_is_the_models_logits_bit_for_bit(smollm2):
+    seen = Residuals()
+    smollm2.generate(IDS, max_new_tokens=1, experiments=[seen])
+    readout = smollm2.model_context.readout
+    last = readout.logits(seen.rows[smollm2.config.layer_count - 1])
+    assert np.array_equal(last, smollm2.logits(IDS))           # every position, as one prefill gives them
+    assert np.array_equal(last[-1], seen.logits[0])             # the generation's own after_logits row
+    assert np.array_equal(readout.logits(seen.rows[29][-1]), seen.logits)   # one row alone
+    assert readout.token_text([504, 3575]) == ["The", " capital"]
+    with pytest.raises(ValueError, match="width 576"):
+        readout.logits(np.zeros((2, 7), np.float32))
+
+
+def test_readout_changes_nothing_in_the_engine(smollm2):
+    before = smollm2.generate(IDS, max_new_tokens=4)
+
+    class ReadEverything(Experiment):
+        name = "read_everything"
+        may_write = False
+
+        def after_layer(self, ctx, hidden):
+            ctx.execution.model.readout.logits(hidden.values())
+
+    during = smollm2.generate(IDS, max_new_tokens=4, experiments=[ReadEverything()])
+    after = smollm2.generate(IDS, max_new_tokens=4)
+    assert before.token_ids == during.token_ids == after.token_ids
+
+
+def test_logit_lens_last_layer_is_the_models_prediction(smollm2):
+    item = items_of(smollm2, "capitals", 1)[0]
+    lens = LogitLens(top_k=3, figure_items=1)
+    result = run_item(smollm2, lens, item)
+    layers = smollm2.config.layer_count
+    model_probs = np.exp(log_softmax(smollm2.logits(list(item.token_ids))[-1]))
+    expected = float(model_probs[item.answer_id])
+    assert result.series["target_prob"][layers - 1] == pytest.approx(expected, abs=1e-12)
+    assert result.series["kl_to_final"][layers - 1] == pytest.approx(0.0, abs=1e-12)
+    assert result.series["target_rank"][layers - 1] == 0.0  # SmolLM2 knows Paris
+    assert len(result.series["target_prob"]) == layers
+    results = lens.results()
+    top = [r for r in results.tables["top_tokens"] if r["layer"] == layers - 1]
+    assert [r["token"] for r in top][0] == " Paris" and len(top) == 3
+    assert results.arrays["item0_target_probs"].shape == (layers, len(item.token_ids))
+    assert "item0_layers_by_positions" in results.figures
+
+
+def test_patching_all_positions_restores_everything_and_none_nothing(smollm2):
+    item = items_of(smollm2, "capitals", 1)[0]
+    layers = [0, 15, 29]
+    every = run_item(smollm2, ActivationPatching(sites=["residual"], layers=layers, span="all"), item)
+    none = run_item(smollm2, ActivationPatching(sites=["residual"], layers=layers, span="none"), item)
+    for layer in layers:
+        assert every.series["residual.all"][layer] == pytest.approx(1.0, abs=1e-5)
+        assert none.series["residual.none"][layer] == 0.0
+    assert every.values["logit_diff_clean"] > 0 > every.values["logit_diff_corrupted"]
+
+
+def test_patching_per_position(smollm2):
+    item = items_of(smollm2, "capitals", 1)[0]  # France -> Germany: only position 3 differs
+    patching = ActivationPatching(sites=["residual", "mlp"], layers=[0, 20], figure_items=1)
+    result = run_item(smollm2, patching, item)
+    scores = patching.results().arrays["item0_restored"]       # [sites, layers, positions]
+    assert scores.shape == (2, 2, len(item.token_ids))
+    assert np.all(scores[:, :, :3] == 0.0)                      # identical prefix: nothing to restore
+    assert scores[0, 0, 3] == pytest.approx(1.0, abs=1e-5)      # the clean embedding of ' France'
+    assert result.series["residual.changed_last"][0] == scores[0, 0, 3]
+    assert result.series["residual.last"][20] == scores[0, 1, 4]
+    assert "mean_restored" in patching.results().figures
+
+
+def test_patching_refuses_unequal_pairs(smollm2):
+    from dataclasses import replace
+
+    from ember.errors import ConfigError
+
+    item = items_of(smollm2, "capitals", 1)[0]
+    with pytest.raises(ConfigError, match="patching needs equal lengths"):
+        ActivationPatching().check_items([replace(item, corrupted_ids=item.corrupted_ids + (13,))])
+    with pytest.raises(ConfigError, match="same tokens"):
+        ActivationPatching().check_items([replace(item, corrupted_ids=item.token_ids)])
+    with pytest.raises(ConfigError, match="has no corrupted"):
+        ActivationPatching().check_items([replace(item, corrupted=None, corrupted_ids=None)])
+
+
+def test_zero_ablation_is_zero_layer_output(smollm2):
+    ablation = Ablation(layer=4, target="mlp", mode="zero")
+    zero = ZeroLayerOutput(layer=4, target="mlp")
+    a = smollm2.generate(IDS, max_new_tokens=3, experiments=[ablation, Residuals()])
+    b = smollm2.generate(IDS, max_new_tokens=3, experiments=[zero])
+    assert a.token_ids == b.token_ids
+    assert ablation.results().metrics[0].value == 3  # prefill + two decode steps
+
+
+def test_mean_ablation_uses_the_prompt_set_means(smollm2):
+    items = items_of(smollm2, "capitals", 3)
+    ablation = Ablation(layer=2, target="both", mode="mean")
+
+    class Outputs(Experiment):
+        name = "outputs"
+        may_write = False
+
+        def __init__(self):
+            self.rows = []
+
+        def after_attention(self, ctx, tensor):
+            if ctx.layer_index == 2:
+                self.rows.append(tensor.values().copy())
+
+    drive(ablation.prepare_study(items), lambda request: evaluate_request(smollm2, ablation, request))
+    seen = Outputs()
+    for item in items:
+        drive(_single(item), lambda request: evaluate_request(smollm2, seen, request))
+    later = np.concatenate([rows[1:] for rows in seen.rows])
+    first = np.stack([rows[0] for rows in seen.rows])
+    means = ablation._means[("attention", 2)]
+    np.testing.assert_allclose(means[1], later.mean(axis=0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(means[0], first.mean(axis=0), rtol=1e-5, atol=1e-6)
+    # applied: every ablated row holds the mean
+    smollm2.generate(list(items[0].token_ids), max_new_tokens=1, experiments=[ablation])
+    assert ablation.results().tables["means"][0]["rows_averaged"] == sum(len(i.token_ids) for i in items)
+
+
+def _single(item):
+    yield Evaluation(item.token_ids)
+
+
+def test_direction_methods_on_known_differences():
+    rng = np.random.default_rng(0)
+    truth = rng.normal(size=16)
+    truth /= np.linalg.norm(truth)
+    diffs = np.outer(rng.uniform(1.0, 3.0, size=40), truth) + 0.05 * rng.normal(size=(40, 16))
+    mean = make_direction(diffs, "mean_diff")
+    np.testing.assert_allclose(mean, diffs.mean(axis=0).astype(np.float32))
+    pca = make_direction(diffs, "pca")
+    cosine = float(pca @ truth / np.linalg.norm(pca))
+    assert cosine > 0.999                                      # the component, signed like the mean
+    assert np.linalg.norm(pca) == pytest.approx(float(np.linalg.norm(diffs.mean(axis=0))), rel=0.01)
+
+
+def test_steering_at_scale_zero_changes_nothing_and_a_fit_moves_sentiment(smollm2, tmp_path):
+    items = items_of(smollm2, "sentiment", 4)
+    steering = Steering(layers=[10, 12], scale=0.0, save=str(tmp_path / "sentiment.gguf"))
+    drive(steering.prepare_study(items), lambda request: evaluate_request(smollm2, steering, request))
+    assert set(steering.directions) == {10, 12}
+    clean = smollm2.generate(list(items[0].corrupted_ids), max_new_tokens=4)
+    steered = smollm2.generate(list(items[0].corrupted_ids), max_new_tokens=4, experiments=[steering])
+    assert clean.token_ids == steered.token_ids
+    # towards the positive side: the " good" - " bad" logit difference rises on the negative prompts
+    push = Steering(vector=str(tmp_path / "sentiment.gguf"), scale=4.0)
+    assert push.layers == (10, 12)
+    good, bad = items[0].answer_id, items[0].wrong_answer_id
+    rises = []
+    for item in items:
+        ids = list(item.corrupted_ids)
+        base = smollm2.logits(ids)[-1]
+        pushed = evaluate_request(smollm2, push, Evaluation(ids))
+        rises.append((pushed[good] - pushed[bad]) - (base[good] - base[bad]))
+    assert min(rises) > 0
