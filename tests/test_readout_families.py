@@ -34,7 +34,7 @@ def test_gemma4_readout(tmp_path):
     import ember
 
     _, path = tiny_file(tmp_path)
-    check(ember.load_model(path, context_length=64, weight_cache=False), PROMPT)
+    check(ember.load_model(path, context_length=64), PROMPT)
 
 
 def test_gemma3_readout(tmp_path):
@@ -44,4 +44,4 @@ def test_gemma3_readout(tmp_path):
     import ember
 
     path = write_gemma3_gguf(tiny_gemma3("default"), tmp_path / "tiny.gguf", "default")
-    check(ember.load_model(path, weight_cache=False), [2, 10, 11, 12, 13, 14, 15])
+    check(ember.load_model(path), [2, 10, 11, 12, 13, 14, 15])
