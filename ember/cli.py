@@ -51,6 +51,8 @@ def _common() -> argparse.ArgumentParser:
                        help="a known name (smollm2-135m, gemma3-270m) or a .gguf path (default: %(default)s)")
     group.add_argument("--context-length", type=int, default=None, help="KV cache length (default: model's)")
     group.add_argument("--threads", type=int, default=None, help="engine/BLAS threads (default: all cores)")
+    group.add_argument("--weights", choices=("quantized", "float32"), default="quantized",
+                       help="keep weights in the file's encoding, or dequantize them (default: %(default)s)")
     group.add_argument("--experiment", action="append", default=[], metavar="NAME[:k=v,...]",
                        help="attach an experiment (generate only; refused with inspection surfaces)")
     group.add_argument("--trace", metavar="FILE", default=None,
@@ -194,7 +196,8 @@ def load(args: argparse.Namespace, tracer: Any = None) -> Any:
     from ember.progress import Progress
 
     with Progress.status(f"loading {args.model}", enabled=not args.quiet):
-        return load_model(args.model, context_length=args.context_length, threads=args.threads, tracer=tracer)
+        return load_model(args.model, context_length=args.context_length, threads=args.threads,
+                          weights=args.weights, tracer=tracer)
 
 
 def _sampling_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -405,7 +408,7 @@ def cmd_benchmark(args: argparse.Namespace) -> int:
     tracer = _tracer(args)
     figures = benchmark(args.model, context_length=args.context_length, threads=args.threads,
                         prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, repeats=args.repeats,
-                        progress=not args.quiet, tracer=tracer)
+                        progress=not args.quiet, tracer=tracer, weights=args.weights)
     text = json.dumps(figures, indent=2)
     print(text)
     if args.json_path:

@@ -68,7 +68,7 @@ def measure_generation(model: Any, ids: list[int], new_tokens: int, repeats: int
 
 def benchmark(source: str, *, context_length: int | None = None, threads: int | None = None,
               prompt_tokens: int = 64, new_tokens: int = 32, repeats: int = 3, progress: bool = True,
-              tracer: Any = None) -> dict[str, Any]:
+              tracer: Any = None, weights: str = "quantized") -> dict[str, Any]:
     """Load `source` and measure it; a JSON-ready dict of settings, results and machine facts."""
     import numpy as np
 
@@ -83,7 +83,7 @@ def benchmark(source: str, *, context_length: int | None = None, threads: int | 
     started = time.perf_counter()
     with Progress.status(f"loading {source}", enabled=progress):
         model = load_model(source, context_length=context_length or max(2048, prompt_tokens + new_tokens),
-                           threads=threads, tracer=tracer)
+                           threads=threads, weights=weights, tracer=tracer)
     load_seconds = time.perf_counter() - started
     rss_loaded = peak_rss_bytes()
     ids = prompt_ids(model.tokenizer, prompt_tokens)
@@ -97,7 +97,7 @@ def benchmark(source: str, *, context_length: int | None = None, threads: int | 
                   "architecture": model.config.architecture, "layer_count": model.config.layer_count},
         "settings": {"prompt_tokens": len(ids), "new_tokens": new_tokens, "repeats": repeats,
                      "threads": model.threads, "context_length": model.context_length,
-                     "tracing": tracer is not None},
+                     "weights": model.weights, "tracing": tracer is not None},
         "results": results,
         "machine": {"python": platform.python_version(), "numpy": np.__version__,
                     "platform": platform.platform(), "ember": ember.__version__},

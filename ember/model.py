@@ -11,6 +11,7 @@ dumps and extraction; never together with experiments), a `tracer` (ember.tracin
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
@@ -18,7 +19,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from threadpoolctl import threadpool_limits
 
 from ember.config import ModelConfig
 from ember.errors import ConfigError, ContextLengthError
@@ -31,11 +31,14 @@ from ember.experiments.runner import ExperimentRunner
 from ember.families import FAMILIES, config_from_gguf
 from ember.gguf_file import GGUFFile
 from ember.kv_cache import SlidingWindowKV
+from ember.memory import check_memory as memory_check
+from ember.memory import estimate_memory
+from ember.quant import compute_threads, jit_unavailable
 from ember.sampling import Sampler, SamplingSettings
 from ember.sources import ModelFile, resolve_model
 from ember.tokenizer import Tokenizer
 from ember.tracing import Tracer, TracingHooks
-from ember.weights import WeightStore
+from ember.weights import FLOAT32, QUANTIZED, WEIGHT_MODES, WeightStore, remove_old_weight_cache
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,8 +83,10 @@ class Model:
     """A loaded model. Not thread-safe: one generation at a time."""
 
     def __init__(self, source: ModelFile, gguf: GGUFFile, config: ModelConfig, tokenizer: Tokenizer,
-                 forward: Any, context_length: int, threads: int, load_seconds: float) -> None:
+                 forward: Any, context_length: int, threads: int, load_seconds: float,
+                 weights: str = QUANTIZED) -> None:
         self.source = source
+        self.weights = weights  # "quantized" or "float32": how the weights are held
         self.gguf = gguf
         self.config = config
         self.tokenizer = tokenizer
@@ -208,7 +213,7 @@ class Model:
             if runner is not None:
                 runner.on_model_loaded()
                 runner.before_prefill(reused, len(prompt_ids) - reused)
-            with threadpool_limits(self.threads):
+            with compute_threads(self.threads):
                 started = time.perf_counter()
                 logits = self._prefill(prompt_ids, hooks, start=reused)
                 token = sampler(logits[0]) if max_new_tokens > 0 else -1  # 0: prefill only, no token
@@ -262,7 +267,7 @@ class Model:
         ids = self.tokenize(token_ids)
         self.check_fits(len(ids), 0)
         self._cached_ids = []
-        with threadpool_limits(self.threads):
+        with compute_threads(self.threads):
             return self._prefill(ids, DISABLED_HOOKS, all_logits=True)
 
     def evaluate(self, prompt: str | Sequence[int], *, add_bos: bool | None = None, observer: Any = None,
@@ -275,7 +280,7 @@ class Model:
         if tracer is not None and tracer.layers:
             hooks = TracingHooks(hooks, tracer)
         self._cached_ids = []
-        with threadpool_limits(self.threads):
+        with compute_threads(self.threads):
             started = time.perf_counter()
             logits = self._prefill(prompt_ids, hooks)[0].copy()
             if tracer is not None:
@@ -328,22 +333,32 @@ def load_model(
     *,
     context_length: int | None = None,
     threads: int | None = None,
-    weight_cache: str | os.PathLike[str] | bool | None = None,
+    weights: str = QUANTIZED,
+    check_memory: bool = True,
     tracer: Tracer | None = None,
 ) -> Model:
     """Resolve `source` (a known name, a .gguf path or a ModelFile), read it and build the engine.
 
+    context_length: positions the KV cache holds (default: the model's trained context).
+    threads: BLAS and kernel threads (default: the cores this process may run on).
+    weights: "quantized" (default: the file's own encoding, mapped, multiplied by numba kernels) or
+    "float32" (dequantized at load, BLAS everywhere: 4–8× the memory). Where numba cannot run,
+    "quantized" falls back to "float32" with a one-line notice on stderr.
+    check_memory: refuse (`ember.memory.MemoryLimitError`) a model that would not fit in the memory
+    available, before allocating anything.
     With a tracer: spans `load` around `resolve`, `gguf` (header and config), `tokenizer`, `weights`."""
+    if weights not in WEIGHT_MODES:
+        raise ConfigError(f"weights must be one of {', '.join(WEIGHT_MODES)}, got {weights!r}")
     if tracer is not None:
         with tracer.span("load", cat="load") as details:
-            model = _load_model(source, context_length, threads, weight_cache, tracer)
+            model = _load_model(source, context_length, threads, weights, check_memory, tracer)
             details.update(model=model.source.name, context_length=model.context_length)
         return model
-    return _load_model(source, context_length, threads, weight_cache, None)
+    return _load_model(source, context_length, threads, weights, check_memory, None)
 
 
 def _load_model(source: str | os.PathLike[str] | ModelFile, context_length: int | None, threads: int | None,
-                weight_cache: str | os.PathLike[str] | bool | None, tracer: Tracer | None) -> Model:
+                weights: str, check_memory: bool, tracer: Tracer | None) -> Model:
     def step(name: str) -> Any:
         return tracer.span(name, cat="load") if tracer is not None else nullcontext()
 
@@ -360,11 +375,23 @@ def _load_model(source: str | os.PathLike[str] | ModelFile, context_length: int 
             f"context_length must be between 1 and the model's {config.context_length}, got {context_length}"
         )
     threads = threads or default_threads()
+    if weights == QUANTIZED and (reason := jit_unavailable()) is not None:
+        print(f"ember: {reason}; weights are dequantized to float32 instead (more memory, slower decode)",
+              file=sys.stderr, flush=True)
+        weights = FLOAT32
+    family = FAMILIES[config.architecture]
+    if check_memory:
+        needed = estimate_memory(gguf, config, family.cache_specs(config), context_length, weights)
+        memory_check(needed, model_file.name or gguf.path.name, weights)
     with step("tokenizer"):
         tokenizer = Tokenizer.from_gguf(gguf)
-    store = WeightStore(gguf, weight_cache, in_memory=True)
-    family = FAMILIES[config.architecture]
-    with threadpool_limits(threads), step("weights"):
+    remove_old_weight_cache()
+    store = WeightStore(gguf, weights)
+    with compute_threads(threads), step("weights"):
         forward = family.build_forward(config, store, context_length)
+        if weights == QUANTIZED:
+            from ember.quant.matrix import warm_up
+
+            warm_up()  # compile the kernels now (or load them from the JIT cache), not at the first token
     return Model(model_file, gguf, config, tokenizer, forward, context_length, threads,
-                 time.perf_counter() - started)
+                 time.perf_counter() - started, weights)

@@ -8,20 +8,36 @@ tokens.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
 from ember.config import RopeLayout
 
 
-def linear(x: np.ndarray, weight: np.ndarray, out: np.ndarray) -> np.ndarray:
-    """out = x @ weight.T, with weight stored (out_features, in_features) as in GGUF/PyTorch."""
+def linear(x: np.ndarray, weight: Any, out: np.ndarray) -> np.ndarray:
+    """out = x @ weight.T, with weight stored (out_features, in_features) as in GGUF/PyTorch.
+
+    `weight` is a float32 array (multiplied by BLAS) or a quantized weight from `ember.weights`
+    (`ember.quant.QuantizedMatrix`, `StackedMatrix`: its own `matmul(x, out)`).
+    """
+    if not isinstance(weight, np.ndarray):
+        return weight.matmul(x, out)
     if x.shape[0] == 1:
         # A single row goes through BLAS gemv, which is faster than a one-row gemm.
         np.matmul(x[0], weight.T, out=out[0])
     else:
         np.matmul(x, weight.T, out=out)
     return out
+
+
+def gather_rows(table: Any, ids: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """out[i] = table[ids[i]]: embedding lookups from a float32 array or a table that decodes its own
+    rows (`rows(ids, out)`: quantized weights, rows read from the file). ids are valid row numbers."""
+    if isinstance(table, np.ndarray):
+        # mode="clip" (ids are validated upstream): with the default "raise" NumPy copies via a temporary
+        return np.take(table, ids, axis=0, out=out, mode="clip")
+    return table.rows(ids, out)
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float, out: np.ndarray,

@@ -26,7 +26,8 @@ _TOP_LEVEL_KEYS = {
     "threads", "sampling", "mlflow", "tracing", "trace_layers", "stop_at_eog", "data",
     "objective",  # checked by ember.runs.objective
 }
-_MODEL_KEYS = {"source", "family", "context_length"}
+_MODEL_KEYS = {"source", "family", "context_length", "weights"}
+_WEIGHT_MODES = ("quantized", "float32")
 _SAMPLING_KEYS = {"temperature", "top_k", "top_p", "min_p", "seed"}
 _MLFLOW_KEYS = {"tracking_uri", "experiment_name", "enabled"}
 _CHAT_ROLES = {"system", "user", "assistant"}
@@ -37,6 +38,7 @@ class ModelSettings:
     source: str
     family: str | None
     context_length: int | None
+    weights: str = "quantized"
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +146,12 @@ def _str(where: str, value: Any, *, allow_none: bool = False, allow_empty: bool 
     return value
 
 
+def _choice(where: str, value: Any, allowed: Sequence[str]) -> str:
+    if value not in allowed:
+        raise ConfigError(f"{where} must be one of {', '.join(allowed)}, got {_show(value)}")
+    return str(value)
+
+
 def _mapping(where: str, value: Any, allowed: set[str]) -> Mapping[str, Any]:
     if not isinstance(value, Mapping):
         raise ConfigError(f"{where} must be a mapping, got {_show(value)}")
@@ -206,6 +214,7 @@ def parse_run_config(cfg: Any) -> RunConfig:
         family=_str("model.family", model_cfg.get("family"), allow_none=True),
         context_length=_int("model.context_length", model_cfg.get("context_length"), minimum=1,
                             allow_none=True),
+        weights=_choice("model.weights", model_cfg.get("weights", "quantized"), _WEIGHT_MODES),
     )
 
     from ember.data import parse_data_spec

@@ -1,120 +1,140 @@
-"""Dequantized weights as float32 arrays, cached on disk as read-only `.npy` memory maps.
+"""A model's weights as the engine holds them: quantized in the file's own encoding, or float32.
 
-The first load of a model dequantizes each matrix and writes `<cache>/weights/<key>/<name>.npy`
-(atomically: a temporary file then a rename, so a killed process never leaves a half file).
-Later loads memory-map those files, which is near-instant. `<key>` is a cheap fingerprint of the GGUF
-file (size, mtime and a hash of its header), not a full sha256.
+`WeightStore(gguf, mode)` hands the families what they ask for by tensor name:
+
+* mode `"quantized"` (the default): matrices stay in their GGUF blocks, read straight from the mapped
+  file (`ember.quant.QuantizedMatrix`, multiplied by numba kernels); nothing is copied, so a model costs
+  about its file size in memory, and processes that map the same file share its pages. F32 tensors are
+  float32 views of the file.
+* mode `"float32"`: every matrix is dequantized into process memory at load (gguf-py and NumPy, no
+  JIT), and BLAS multiplies everything. About 4–8× the file's size in memory; what ember falls back to
+  when the kernels cannot run.
+
+Embedding tables that are not also the LM head are never dequantized whole in either mode: `table()`
+returns something whose `rows(ids, out)` decodes only the requested rows.
 """
 
 from __future__ import annotations
 
-import hashlib
-import os
-import re
-import tempfile
-import time
-import warnings
 from collections import Counter
-from collections.abc import Callable, Sequence
-from pathlib import Path
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
+from gguf import GGMLQuantizationType
 
 from ember.errors import GGUFError
 from ember.gguf_file import GGUFFile
-from ember.sources import ember_cache_dir
 
-# Bump when the dequantized values or the file layout of the cache change.
-CACHE_FORMAT = "1"
-_STALE_TMP_SECONDS = 600
+QUANTIZED, FLOAT32 = "quantized", "float32"
+WEIGHT_MODES = (QUANTIZED, FLOAT32)
+
+# Block types the kernels multiply (issue 11's list: what real GGUF files use).
+KERNEL_TYPES = frozenset({
+    GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16,
+    GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1,
+    GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q4_K,
+    GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
+})
+
+
+def remove_old_weight_cache() -> None:
+    """ember 0.1 kept dequantized float32 copies of every matrix under `<ember cache>/weights/` (0.5–1.2 GB
+    a model, 23 GB for an 8B file); nothing reads them any more. Deleted at the first load, with a note."""
+    import shutil
+    import sys
+
+    from ember.sources import ember_cache_dir
+
+    old = ember_cache_dir() / "weights"
+    if not old.is_dir():
+        return
+    size = sum(f.stat().st_size for f in old.rglob("*") if f.is_file())
+    shutil.rmtree(old, ignore_errors=True)
+    print(f"ember: removed the float32 weight cache of ember 0.1 ({size / 2**20:.0f} MiB at {old}); "
+          "weights now stay quantized in memory", file=sys.stderr, flush=True)
+
+
+class FileRows:
+    """Rows of a table decoded from the file on demand with NumPy (float32 mode's embedding tables)."""
+
+    def __init__(self, store: WeightStore, name: str) -> None:
+        self.store = store
+        self.name = name
+        self.shape = store.gguf.tensor(name).shape
+
+    def rows(self, ids: np.ndarray, out: np.ndarray) -> np.ndarray:
+        self.store.row_requests[self.name] += 1
+        out[...] = self.store.gguf.dequantize_rows(self.name, ids)
+        return out
 
 
 class WeightStore:
-    """Float32 views of a GGUF file's tensors.
+    """The weights of one GGUF file, by tensor name, in `mode` ("quantized" or "float32")."""
 
-    `cache_dir` is the ember cache root (default: `ember_cache_dir()`, i.e. `$EMBER_CACHE` or the user
-    cache dir); weights go under `<cache_dir>/weights/`. `cache_dir=False` turns the disk cache off.
-
-    `in_memory=True` returns read-only copies in the process's own memory instead of mappings of the
-    cache files. NumPy backs large arrays with transparent huge pages, which a file mapping cannot
-    have; decode streams every weight once per token, and on SmolLM2 this measured 67 → 74 tokens/s
-    (fewer TLB misses) for ~0.2 s more at load.
-    """
-
-    def __init__(self, gguf_file: GGUFFile, cache_dir: str | os.PathLike[str] | bool | None = None,
-                 *, in_memory: bool = False) -> None:
+    def __init__(self, gguf_file: GGUFFile, mode: str = QUANTIZED) -> None:
+        if mode not in WEIGHT_MODES:
+            raise ValueError(f"weights must be one of {', '.join(WEIGHT_MODES)}, got {mode!r}")
         self.gguf = gguf_file
-        self.in_memory = in_memory
-        if cache_dir is False:
-            self.cache_dir: Path | None = None
-        else:
-            root = ember_cache_dir() if cache_dir is None or cache_dir is True else Path(cache_dir)
-            self.cache_dir = root / "weights" / file_fingerprint(gguf_file)
-        # Counters a caller (or a test) can read: whole-tensor dequantizations and row requests per name.
+        self.mode = mode
+        # What was read how, by tensor name (tests and `ember.memory` read these).
         self.full_dequantizations: Counter[str] = Counter()
         self.row_requests: Counter[str] = Counter()
-        self.cache_hits: Counter[str] = Counter()
-        self._cache_write_failed = False
-        self._swept = False
 
     def has(self, name: str) -> bool:
         """Whether the file has a tensor called `name`."""
         return name in self.gguf.tensors
 
-    def matrix(self, name: str) -> np.ndarray:
-        """The whole tensor as float32 in NumPy shape; a read-only memory map when the cache is on."""
+    def matrix(self, name: str) -> Any:
+        """A 2-D weight [out, in] the engine multiplies by (`ember.quant.multiply`)."""
         info = self.gguf.tensor(name)
-        return self._resident(self._cached(name, info.shape, lambda: self._dequantize(name)))
+        if len(info.shape) != 2:
+            raise GGUFError(f"{self.gguf.path}: tensor {name!r} has shape {info.shape}, expected a matrix")
+        if self.mode == FLOAT32:
+            self.full_dequantizations[name] += 1
+            values = self.gguf.dequantize(name)
+            values.flags.writeable = False
+            return values
+        if info.ggml_type not in KERNEL_TYPES:
+            supported = ", ".join(sorted(t.name for t in KERNEL_TYPES))
+            raise GGUFError(
+                f"{self.gguf.path}: tensor {name!r} has block type {info.ggml_type.name}, which ember's "
+                f"kernels do not multiply (they do {supported}); load with weights='float32' to "
+                "dequantize it instead"
+            )
+        if info.ggml_type == GGMLQuantizationType.F32:
+            return self.gguf.raw(name)  # a float32 view of the file: BLAS multiplies it as it is
+        from ember.quant.matrix import QuantizedMatrix
 
-    def concatenated(self, names: Sequence[str]) -> np.ndarray:
-        """Several matrices stacked along their first axis (e.g. fused Q/K/V), cached as one file.
+        raw = self.gguf.raw(name)  # F16 comes as float16, BF16 as uint16: the kernels read bytes
+        return QuantizedMatrix(name, raw.view(np.uint8).reshape(info.shape[0], -1), int(info.ggml_type),
+                               info.shape)
 
-        Only the stacked result is cached, so a warm load maps one file instead of copying the parts.
+    def stacked(self, names: Sequence[str]) -> Any:
+        """Several matrices stacked along their rows (fused Q/K/V, gate/up), as one weight.
+
+        float32: one concatenated array (one BLAS call). quantized: the parts as they are in the file.
         """
+        if not names:
+            raise ValueError("stacked() needs at least one tensor name")
         infos = [self.gguf.tensor(n) for n in names]
-        if not infos:
-            raise ValueError("concatenated() needs at least one tensor name")
-        trailing = {info.shape[1:] for info in infos}
-        if len(trailing) != 1 or not infos[0].shape:
+        if len({info.shape[1:] for info in infos}) != 1:
             shapes = ", ".join(f"{i.name} {i.shape}" for i in infos)
             raise GGUFError(f"{self.gguf.path}: cannot stack tensors of shapes {shapes}")
-        shape = (sum(info.shape[0] for info in infos), *infos[0].shape[1:])
-        key = "+".join(names)
-        stacked = self._cached(key, shape, lambda: np.concatenate([self._dequantize(n) for n in names]))
-        return self._resident(stacked)
+        parts = [self.matrix(n) for n in names]
+        if self.mode == FLOAT32:
+            stacked = np.concatenate(parts) if len(parts) > 1 else parts[0]
+            stacked.flags.writeable = False
+            return stacked
+        from ember.quant.matrix import StackedMatrix
 
-    def _resident(self, array: np.ndarray) -> np.ndarray:
-        if self.in_memory:
-            array.flags.writeable = False  # weights are never written, in memory as in a mapping
-        return array
+        return parts[0] if len(parts) == 1 else StackedMatrix(parts)
 
-    def _cached(self, key: str, shape: tuple[int, ...], produce: Callable[[], np.ndarray]) -> np.ndarray:
-        if self.cache_dir is None:
-            return produce()
-        path = self.cache_dir / _file_name(key)
-        cached = _load_cached(path, shape, mapped=not self.in_memory)
-        if cached is not None:
-            self.cache_hits[key] += 1
-            return cached
-        values = produce()
-        if self._cache_write_failed:
-            return values
-        try:
-            if not self._swept:
-                self._swept = True
-                _remove_stale_temporaries(self.cache_dir)
-            _save_atomic(path, values)
-        except OSError as e:
-            self._cache_write_failed = True
-            warnings.warn(
-                f"ember: cannot write the weight cache at {self.cache_dir} ({e}); continuing without it",
-                stacklevel=3,
-            )
-            return values
-        if self.in_memory:
-            return values
-        cached = _load_cached(path, shape)
-        return values if cached is None else cached
+    def table(self, name: str) -> Any:
+        """An embedding table whose rows are read on demand: `gather_rows(table, ids, out)`."""
+        if self.mode == FLOAT32 or self.gguf.tensor(name).ggml_type not in KERNEL_TYPES:
+            return FileRows(self, name)
+        return self.matrix(name)
 
     def vector(self, name: str) -> np.ndarray:
         """A 1-D tensor (norm weights, rope factors) as a new float32 array."""
@@ -124,63 +144,6 @@ class WeightStore:
         return self.gguf.dequantize(name)
 
     def rows(self, name: str, ids: np.ndarray | list[int]) -> np.ndarray:
-        """float32 `[len(ids), cols]`: only the requested rows are dequantized (token embeddings)."""
+        """float32 `[len(ids), cols]` of a table, decoding only those rows (NumPy, any block type)."""
         self.row_requests[name] += 1
         return self.gguf.dequantize_rows(name, np.asarray(ids))
-
-    def _dequantize(self, name: str) -> np.ndarray:
-        self.full_dequantizations[name] += 1
-        return self.gguf.dequantize(name)
-
-
-def file_fingerprint(gguf_file: GGUFFile) -> str:
-    """A cheap identity for the file: its size, mtime, header bytes and the cache format."""
-    stat = gguf_file.path.stat()
-    h = hashlib.sha256()
-    h.update(f"ember-weights-{CACHE_FORMAT}|{stat.st_size}|{stat.st_mtime_ns}|".encode())
-    with open(gguf_file.path, "rb") as f:
-        h.update(f.read(gguf_file.data_offset))
-    return f"{gguf_file.path.stem[:40]}-{h.hexdigest()[:16]}"
-
-
-def _file_name(key: str) -> str:
-    safe = re.sub(r"[^A-Za-z0-9._+-]", "_", key)
-    if safe != key or safe.startswith(".") or len(safe) > 180:
-        safe = f"{safe.lstrip('.')[:160]}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
-    return safe + ".npy"
-
-
-def _load_cached(path: Path, shape: tuple[int, ...], mapped: bool = True) -> np.ndarray | None:
-    """The cached array (mapped, or read into memory) if it is present and whole, else None (a bad
-    file is simply rewritten)."""
-    try:
-        array = np.load(path, mmap_mode="r" if mapped else None, allow_pickle=False)
-    except (OSError, ValueError, EOFError):
-        return None
-    if array.shape != shape or array.dtype != np.float32:
-        return None
-    return array
-
-
-def _save_atomic(path: Path, values: np.ndarray) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.save(f, np.ascontiguousarray(values, dtype=np.float32), allow_pickle=False)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _remove_stale_temporaries(directory: Path) -> None:
-    """Temporary files left by a killed process (older than 10 minutes) are deleted."""
-    cutoff = time.time() - _STALE_TMP_SECONDS
-    for tmp in directory.glob(".*.tmp"):
-        try:
-            if tmp.stat().st_mtime < cutoff:
-                tmp.unlink()
-        except OSError:
-            pass

@@ -1,15 +1,16 @@
 """A worked example of a researcher's own experiment: add a steering vector at one layer.
 
-Use it from the runner (conf/experiment/steering.yaml refers to it by `_target_`):
+Use it from the runner (conf/experiment/custom_steering.yaml refers to it by `_target_`; the built-in
+contrastive steering with llama.cpp control vectors is `experiment=steering`):
 
-    python -m ember.run experiment=steering layer=6
-    python -m ember.run experiment=steering layer=6 experiments.0.scale=1.0 prompt="I think that"
+    python -m ember.run experiment=custom_steering layer=6
+    python -m ember.run experiment=custom_steering layer=6 experiments.0.scale=1.0 prompt="I think that"
 
 or make a direction of your own from two contrasting prompts (the difference of the mean residual
 streams leaving the layer) and steer with it:
 
     python experiments/steering_vector.py --positive "Love" --negative "Hate" --layer 6 --out love.npy
-    python -m ember.run experiment=steering layer=6 experiments.0.vector=love.npy
+    python -m ember.run experiment=custom_steering layer=6 experiments.0.vector=love.npy
 
 The experiment writes into the residual stream (`after_layer`), so the runner also compares the
 result with the clean model (KL divergence, top-1 agreement) and logs it.

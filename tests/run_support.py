@@ -84,6 +84,22 @@ class HardCrash(Experiment):
         os._exit(3)
 
 
+class InterruptAfterItems(Experiment):
+    """Raises KeyboardInterrupt (as Ctrl-C would) when the study reaches item number `items`."""
+
+    name = "interrupt_after_items"
+    may_write = False
+    started = 0  # instances are made per item: count across them
+
+    def __init__(self, items: int = 2) -> None:
+        self.items = items
+
+    def before_prefill(self, ctx: object) -> None:
+        type(self).started += 1
+        if type(self).started > self.items:
+            raise KeyboardInterrupt
+
+
 class WaitToBeKilled(Experiment):
     """In the job whose `layer` is `victim`: writes this process's pid to `folder/pid` at the first decode
     step and waits (at most `wait_seconds`) to be killed from outside; a job started again after that

@@ -18,6 +18,7 @@ def test_plain_lines_when_not_a_terminal() -> None:
     assert lines[0] == "ember: extracting: 0/100"
     assert lines[-1].startswith("ember: extracting: 100/100 done in ")
     assert 5 <= len(lines) <= 12  # about ten lines, not one per item
+    assert all(", ETA " in line for line in lines[1:-1])  # each intermediate line says what is left
     assert "\x1b[" not in stream.getvalue()
 
 

@@ -95,7 +95,7 @@ def test_decode_allocates_no_activations_after_warm_up(tmp_path, architecture):
     # decode shows in the traced peak.
     path = tmp_path / "wide.gguf"
     _write_gguf(path, architecture, hidden=2048, ffn=4096, layers=2, head_dim=64)
-    model = ember.load_model(path, weight_cache=False)
+    model = ember.load_model(path)
     forward = model._forward
     cache = forward.new_cache(32)
     workspace = forward.new_workspace(1, 32)
@@ -164,7 +164,7 @@ def _write_gguf(path, architecture: str, *, drop: str | None = None, hidden: int
 def test_a_tiny_llama_file_loads_and_generates(tmp_path):
     path = tmp_path / "tiny.gguf"
     _write_gguf(path, "llama")
-    model = ember.load_model(path, weight_cache=False)
+    model = ember.load_model(path)
     assert model.config.layer_count == 1 and model.config.tied_embeddings
     generation = model.generate([0, 1], max_new_tokens=3, stop_at_eog=False)
     assert len(generation.token_ids) == 3
@@ -174,11 +174,11 @@ def test_unknown_architecture_names_the_supported_ones(tmp_path):
     path = tmp_path / "other.gguf"
     _write_gguf(path, "gpt2")
     with pytest.raises(UnsupportedArchitectureError, match="'gpt2' is not supported.*llama.*qwen3"):
-        ember.load_model(path, weight_cache=False)
+        ember.load_model(path)
 
 
 def test_a_missing_tensor_is_named(tmp_path):
     path = tmp_path / "broken.gguf"
     _write_gguf(path, "llama", drop="blk.0.ffn_up.weight")
     with pytest.raises(GGUFError, match="blk.0.ffn_up.weight"):
-        ember.load_model(path, weight_cache=False)
+        ember.load_model(path)

@@ -209,7 +209,7 @@ def test_zero_attention_equals_model_without_attention_output(
                             experiments=[zeroing, capture])
 
     weights = model._forward.weights.layers[layer]
-    monkeypatch.setattr(weights, "attn_output", np.zeros_like(weights.attn_output))
+    monkeypatch.setattr(weights, "attn_output", np.zeros(weights.attn_output.shape, np.float32))
     reference_capture = Capture(name="reference")
     reference = model.generate(prompt_ids, max_new_tokens=4, stop_at_eog=False,
                                experiments=[reference_capture])

@@ -27,7 +27,7 @@ LAYER_HOOKS = ("before_layer", "after_attention", "after_mlp", "after_layer")
 @pytest.fixture(scope="module")
 def qwen3(tmp_path_factory: pytest.TempPathFactory) -> Any:
     path = write_gguf(tiny_qwen3(), tmp_path_factory.mktemp("qwen3") / "tiny-qwen3.gguf")
-    return ember.load_model(path, weight_cache=False)
+    return ember.load_model(path)
 
 
 class Capture(Experiment):
@@ -75,7 +75,7 @@ def test_qwen3_zero_attention_equals_zeroed_o_projection(qwen3: Any, monkeypatch
     tokens = qwen3.generate(PROMPT, max_new_tokens=4, stop_at_eog=False,
                             experiments=[ZeroLayerOutput(layer=1, target="attention"), hooked]).token_ids
     weights = qwen3._forward.weights.layers[1]
-    monkeypatch.setattr(weights, "attn_output", np.zeros_like(weights.attn_output))
+    monkeypatch.setattr(weights, "attn_output", np.zeros(weights.attn_output.shape, np.float32))
     reference = Capture()
     reference_tokens = qwen3.generate(PROMPT, max_new_tokens=4, stop_at_eog=False,
                                       experiments=[reference]).token_ids

@@ -55,7 +55,7 @@ def _run_case(case: str, tmp_path):
     path = write_gguf(hf_model, tmp_path / f"{case}.gguf", qtype=qtype)
     if qtype != F32:
         load_gguf_weights_into_hf(hf_model, path)
-    model = ember.load_model(path, weight_cache=False)
+    model = ember.load_model(path)
     ours, generated = record_generation(model, PROMPT, DECODE_STEPS)
     reference = capture(hf_model, PROMPT, generated[:DECODE_STEPS])
     return ours, reference, generated
@@ -90,7 +90,7 @@ def test_llama_qk_permutation_is_needed(tmp_path):
     above would catch an engine whose rope layout disagreed with the permutation."""
     hf_model = tiny_llama(rope_parameters=LLAMA3_ROPE)
     path = write_gguf(hf_model, tmp_path / "unpermuted.gguf", permute_qk=False)
-    ours, generated = record_generation(ember.load_model(path, weight_cache=False), PROMPT, DECODE_STEPS)
+    ours, generated = record_generation(ember.load_model(path), PROMPT, DECODE_STEPS)
     reference = capture(hf_model, PROMPT, generated[:DECODE_STEPS])
     assert relative_error(ours[0].before_layer[0], reference[0].before_layer[0])[0] <= TOLERANCE
     assert relative_error(ours[0].after_attention[0], reference[0].after_attention[0])[0] > 100 * TOLERANCE

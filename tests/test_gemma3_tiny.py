@@ -136,7 +136,7 @@ def pair(request: Any, tmp_path_factory: Any) -> tuple[Any, Any, str]:
     hf = tiny_gemma3(request.param)
     path = write_gemma3_gguf(hf, tmp_path_factory.mktemp("gemma3") / f"tiny-{request.param}.gguf",
                              request.param)
-    return ember.load_model(path, weight_cache=False), hf, request.param
+    return ember.load_model(path), hf, request.param
 
 
 def test_config_read_from_the_file(pair: tuple[Any, Any, str]) -> None:

@@ -47,7 +47,7 @@ def tiny_file(tmp_path, name: str = "tiny.gguf", qtype=GGMLQuantizationType.F32,
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     spec, path = tiny_file(tmp_path_factory.mktemp("gemma4"))
-    return spec, ember.load_model(path, context_length=64, weight_cache=False)
+    return spec, ember.load_model(path, context_length=64)
 
 
 # --------------------------------------------------------------------------- config
@@ -67,7 +67,7 @@ def test_config_reads_the_per_layer_geometry(tmp_path) -> None:
     assert config.kv_source == (0, 1, 2, 3, 2, 2, 3)  # llama.cpp: sliding → f−2, full → f−1
     assert (config.per_layer_input_dim, config.final_logit_softcap) == (32, 30.0)
     assert config.tied_embeddings and config.vocab_size == VOCAB and config.rope_layout is RopeLayout.NEOX
-    weights = gemma4.load_weights(ember.weights.WeightStore(GGUFFile.open(path), cache_dir=False), config)
+    weights = gemma4.load_weights(ember.weights.WeightStore(GGUFFile.open(path)), config)
     assert [layer.has_v for layer in weights.layers] == [True, False, True, False, False, False, False]
     assert [layer.k_norm is None for layer in weights.layers] == [False] * 4 + [True] * 3
     assert weights.rope_freqs.tolist() == np.array([1.0] * 4 + [1e30] * 12, np.float32).tolist()
@@ -103,19 +103,19 @@ def test_errors_name_what_is_wrong(tmp_path) -> None:
     spec, path = tiny_file(tmp_path)
     bad = _rewrite(path, tmp_path / "a.gguf", drop_key="gemma4.attention.sliding_window_pattern")
     with pytest.raises(GGUFError, match="sliding_window_pattern"):
-        ember.load_model(bad, weight_cache=False)
+        ember.load_model(bad)
     bad = _rewrite(path, tmp_path / "b.gguf", drop_tensor="rope_freqs.weight")
     with pytest.raises(GGUFError, match="rope_freqs.weight"):
-        ember.load_model(bad, weight_cache=False)
+        ember.load_model(bad)
     # layers f−2 / f−1 must be (sliding, full) for llama.cpp's reuse rule
     pattern = [True, False, True, True, False, True, False]
     bad = _rewrite(path, tmp_path / "c.gguf", replace={"gemma4.attention.sliding_window_pattern": pattern})
     with pytest.raises(GGUFError, match="KV-shared layer"):
-        ember.load_model(bad, weight_cache=False)
+        ember.load_model(bad)
     # mixture-of-experts files (26B-A4B) are refused, not run without their experts
     bad = _rewrite(path, tmp_path / "d.gguf", extra={"gemma4.expert_count": 128})
     with pytest.raises(GGUFError, match="mixture-of-experts"):
-        ember.load_model(bad, weight_cache=False)
+        ember.load_model(bad)
 
 
 # --------------------------------------------------------------------------- rope
@@ -143,48 +143,60 @@ def test_full_layer_rope_pairs_dims_0_63_with_256_319_for_a_512_head() -> None:
 
 
 def test_row_tables_are_never_dequantized_whole(tmp_path, monkeypatch) -> None:
-    """Count what the dequantizer is asked for: only the evaluated tokens' rows of the PLE table and of
-    the embedding, and the LM head in blocks, never a whole-table dequantization (Q8_0 file)."""
-    requests: list[tuple[str, str, int]] = []
-    whole, rows = GGUFFile.dequantize, GGUFFile.dequantize_rows
+    """The embedding and PLE tables are only ever asked for the evaluated tokens' rows (prefill, then
+    one per decode step), never decoded whole; the tied LM head multiplies the table in its own
+    encoding (quantized weights, the default) (Q8_0 file)."""
+    from ember.quant.matrix import QuantizedMatrix
+
+    whole_requests: list[str] = []
+    row_requests: dict[str, list[list[int]]] = {name: [] for name in ROW_TABLES}
+    whole, rows = GGUFFile.dequantize, QuantizedMatrix.rows
 
     def counting_whole(self, name):
-        requests.append(("whole", name, 0))
+        whole_requests.append(name)
         return whole(self, name)
 
-    def counting_rows(self, name, ids):
-        requests.append(("rows", name, len(ids)))
-        if name == "per_layer_token_embd.weight":
-            seen_ple.append(list(np.asarray(ids)))
-        return rows(self, name, ids)
+    def counting_rows(self, ids, out):
+        row_requests[self.name].append(list(np.asarray(ids)))
+        return rows(self, ids, out)
 
-    seen_ple: list[list[int]] = []
     monkeypatch.setattr(GGUFFile, "dequantize", counting_whole)
-    monkeypatch.setattr(GGUFFile, "dequantize_rows", counting_rows)
-    monkeypatch.setattr(gemma4, "LM_HEAD_BLOCK_VALUES", 64 * 50)  # 50 rows of H = 64 per block
+    monkeypatch.setattr(QuantizedMatrix, "rows", counting_rows)
     spec, path = tiny_file(tmp_path, qtype=GGMLQuantizationType.Q8_0)
-    model = ember.load_model(path, context_length=64, weight_cache=tmp_path / "cache")
+    model = ember.load_model(path, context_length=64)
     generation = model.generate(PROMPT, max_new_tokens=4, stop_at_eog=False)
 
-    assert not [r for r in requests if r[0] == "whole" and r[1] in ROW_TABLES]
-    assert not any(model._forward.store.full_dequantizations[name] for name in ROW_TABLES)
-    assert not list((tmp_path / "cache").rglob("*token_embd*"))  # nothing of them in the disk cache
-    # PLE: exactly the evaluated tokens, prefill then one per decode step
-    assert seen_ple == [PROMPT] + [[t] for t in generation.token_ids[:-1]]
-    # embedding: the tokens' rows, plus LM-head blocks of at most 50 rows covering the vocabulary
-    head = [n for kind, name, n in requests if kind == "rows" and name == "token_embd.weight"]
-    evaluations = 1 + len(generation.token_ids) - 1
-    assert max(head) <= 50
-    assert sum(head) == evaluations * VOCAB + len(PROMPT) + len(generation.token_ids) - 1
+    assert not [name for name in whole_requests if name in ROW_TABLES]
+    evaluated = [PROMPT] + [[t] for t in generation.token_ids[:-1]]
+    assert row_requests == {name: evaluated for name in ROW_TABLES}
+    weights = model._forward.weights
+    assert isinstance(weights.output, QuantizedMatrix) and weights.output is weights.token_embd
 
 
-def test_decode_memory_is_bounded_by_one_head_block(tmp_path, monkeypatch) -> None:
-    """After warm-up a decode step allocates only the dequantized rows it reads (the token's rows and one
-    LM-head block at a time, here 32 rows of a 309-row table), never a table's worth."""
-    monkeypatch.setattr(gemma4, "LM_HEAD_BLOCK_VALUES", 32 * 256)
+def test_float32_weights_still_read_the_ple_table_by_rows(tmp_path, monkeypatch) -> None:
+    requests: list[tuple[str, int]] = []
+    rows = GGUFFile.dequantize_rows
+
+    def counting_rows(self, name, ids):
+        requests.append((name, len(ids)))
+        return rows(self, name, ids)
+
+    monkeypatch.setattr(GGUFFile, "dequantize_rows", counting_rows)
+    spec, path = tiny_file(tmp_path, qtype=GGMLQuantizationType.Q8_0)
+    model = ember.load_model(path, context_length=64, weights="float32")
+    generation = model.generate(PROMPT, max_new_tokens=3, stop_at_eog=False)
+    assert [n for name, n in requests if name == "per_layer_token_embd.weight"] == [len(PROMPT), 1, 1]
+    assert model._forward.store.full_dequantizations["per_layer_token_embd.weight"] == 0
+    assert generation.token_ids == ember.load_model(path, context_length=64).generate(
+        PROMPT, max_new_tokens=3, stop_at_eog=False).token_ids
+
+
+def test_decode_never_holds_a_table_as_float32(tmp_path) -> None:
+    """After warm-up a decode step's traced allocations stay far below the LM head's float32 size (the
+    quantized head is multiplied in place)."""
     spec = Gemma4Spec(vocab_size=VOCAB, hidden_size=256, intermediate_size=512)
     path = write_gguf(tmp_path / "wide.gguf", spec, random_state(spec, seed=5))
-    model = ember.load_model(path, context_length=32, weight_cache=False)
+    model = ember.load_model(path, context_length=32)
     forward = model._forward
     cache = forward.new_cache(32)
     workspace = forward.new_workspace(1, 32)
@@ -192,7 +204,6 @@ def test_decode_memory_is_bounded_by_one_head_block(tmp_path, monkeypatch) -> No
                     ExecutionPhase.PREFILL)
     token = np.array([290])
     forward.forward(token, len(PROMPT), cache, workspace, DISABLED_HOOKS, ExecutionPhase.DECODE)
-    block_bytes = forward.lm_head.block_rows * spec.hidden_size * 4
     table_bytes = VOCAB * spec.hidden_size * 4
     tracemalloc.start()
     try:
@@ -201,9 +212,8 @@ def test_decode_memory_is_bounded_by_one_head_block(tmp_path, monkeypatch) -> No
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    print(f"\ndecode peak {peak} bytes; one head block {block_bytes}, whole table {table_bytes}")
-    assert forward.lm_head.block_rows == 32
-    assert peak < 4 * block_bytes < table_bytes
+    print(f"\ndecode peak {peak} bytes; the table as float32 {table_bytes}")
+    assert peak < table_bytes / 8
 
 
 # --------------------------------------------------------------------------- forward
@@ -226,9 +236,9 @@ def test_decode_matches_a_prefill_across_the_window(tiny) -> None:
 
 def test_softcap_bounds_the_logits(tmp_path) -> None:
     spec, path = tiny_file(tmp_path, "cap.gguf", final_logit_softcapping=2.0)
-    capped = ember.load_model(path, weight_cache=False).logits(PROMPT)
+    capped = ember.load_model(path).logits(PROMPT)
     spec, path = tiny_file(tmp_path, "nocap.gguf", final_logit_softcapping=None)
-    raw = ember.load_model(path, weight_cache=False).logits(PROMPT)
+    raw = ember.load_model(path).logits(PROMPT)
     assert np.abs(capped).max() <= 2.0 < np.abs(raw).max()
     np.testing.assert_allclose(capped, 2.0 * np.tanh(raw / 2.0), rtol=1e-5, atol=1e-6)
 

@@ -72,7 +72,7 @@ class Recorder:
 def run_ember(path, prompt: list[int], decode: list[int], context: int = 64) -> list[dict]:
     gguf = GGUFFile.open(path)
     config = build_config(gguf)
-    forward = build_forward(config, WeightStore(gguf, cache_dir=False), context)
+    forward = build_forward(config, WeightStore(gguf), context)
     cache = forward.new_cache(context)
     recorder = Recorder()
     forward.forward(np.array(prompt), 0, cache, forward.new_workspace(len(prompt), context), recorder,
@@ -167,7 +167,7 @@ def test_shared_layers_hold_no_cache(case) -> None:
         pytest.skip("no KV sharing in this case")
     gguf = GGUFFile.open(path)
     config = build_config(gguf)
-    forward = build_forward(config, WeightStore(gguf, cache_dir=False), 32)
+    forward = build_forward(config, WeightStore(gguf), 32)
     cache = forward.new_cache(32)
     assert len(cache.layers) == spec.first_shared_layer
     assert config.kv_source == tuple(range(spec.first_shared_layer)) + (2, 2, 3)

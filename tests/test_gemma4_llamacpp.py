@@ -32,7 +32,7 @@ CONTEXT = 64
 def ember_logits(path) -> np.ndarray:
     """Logits of every position: the prompt's rows from the prefill, then one row per decode step."""
     gguf = GGUFFile.open(path)
-    forward = build_forward(build_config(gguf), WeightStore(gguf, cache_dir=False), CONTEXT)
+    forward = build_forward(build_config(gguf), WeightStore(gguf), CONTEXT)
     cache = forward.new_cache(CONTEXT)
     rows = [forward.forward(np.array(PROMPT), 0, cache, forward.new_workspace(len(PROMPT), CONTEXT),
                             DISABLED_HOOKS, ExecutionPhase.PREFILL, all_logits=True)]

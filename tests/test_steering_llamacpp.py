@@ -7,6 +7,8 @@
   llama.cpp multiplies with 8-bit quantized activations, ember in float32),
   and agree better with ember applying it at the named layers than one layer later (the layer
   convention).
+* A file laid out as llama.cpp's cvector-generator writes it, written with llama.cpp's gguf-py, loads in
+  ember and steers ember as it steers llama.cpp (the same agreement).
 
 The fast checks of the file format are in test_control_vectors.py.
 """
@@ -96,6 +98,34 @@ def test_an_ember_vector_steers_llama_cpp_the_same_way(smollm2, llm, tmp_path):
     assert sorted(directions) == [6, 12]
     agreement = compare(smollm2, llm, directions, strength=4.0)
     print("\n  ember vector in llama.cpp: cosine of logit changes (named layers, one later):", agreement)
+    assert all(same >= 0.95 for same, _ in agreement)
+    assert np.mean([same for same, _ in agreement]) >= 0.98
+    assert all(same > shifted for same, shifted in agreement)
+
+
+def test_a_file_in_cvector_generator_layout_steers_ember_as_llama_cpp(smollm2, llm, tmp_path):
+    """A file laid out as llama.cpp's cvector-generator writes it (unit directions for blocks 1..n-1,
+    `controlvector.model_hint`, `controlvector.layer_count`), written with llama.cpp's own gguf-py rather
+    than ember's writer, loads in ember and steers ember as it steers llama.cpp."""
+    import gguf
+
+    rng = np.random.default_rng(0)
+    layers = smollm2.config.layer_count
+    writer = gguf.GGUFWriter(str(tmp_path / "generated.gguf"), "controlvector")
+    writer.add_string("controlvector.model_hint", "llama")
+    writer.add_int32("controlvector.layer_count", layers - 1)
+    raw = rng.normal(size=(layers - 1, smollm2.config.hidden_size)).astype(np.float32)
+    for i, values in enumerate(raw):
+        writer.add_tensor(f"direction.{i + 1}", values / np.linalg.norm(values))
+    for step in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file,
+                 writer.close):
+        step()
+    directions = read_control_vector(tmp_path / "generated.gguf")
+    assert sorted(directions) == list(range(1, layers))
+    chosen = {layer: directions[layer] for layer in (8, 14)}  # two layers (--control-vector-layer-range);
+    # unit directions need a strength near the residual norm to move the logits beyond quantization noise
+    agreement = compare(smollm2, llm, chosen, strength=40.0)
+    print("\n  generator-layout file: cosine of logit changes (named layers, one later):", agreement)
     assert all(same >= 0.95 for same, _ in agreement)
     assert np.mean([same for same, _ in agreement]) >= 0.98
     assert all(same > shifted for same, shifted in agreement)

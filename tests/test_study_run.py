@@ -169,3 +169,16 @@ def test_prompt_set_mistakes_end_with_one_line(workdir, capsys, args, message):
     import re
 
     assert re.search(message, err), err
+
+
+def test_an_interrupted_study_keeps_the_items_it_did(workdir):
+    from run_support import InterruptAfterItems
+
+    InterruptAfterItems.started = 0
+    code = main("data=capitals", "data.limit=5", "max_new_tokens=1", "mlflow.experiment_name=t_interrupt",
+                "experiments=[{_target_:run_support.InterruptAfterItems,items:2}]")
+    assert code == 130
+    [run] = runs_of(workdir, "t_interrupt")
+    assert run.info.status == "KILLED"
+    assert run.data.metrics["study.items"] == 2
+    assert len(table(workdir, run, "study/items.json")["data"]) == 2

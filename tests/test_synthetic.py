@@ -161,7 +161,7 @@ def test_llama_cpp_and_ember_load_the_file_and_agree(tmp_path, family) -> None:
     write_synthetic(shape, path)
     text = "The old lighthouse keeper climbed the spiral stairs every evening at dusk."
 
-    model = ember.load_model(path, context_length=128, threads=1, weight_cache=False)
+    model = ember.load_model(path, context_length=128, threads=1)
     capture = CaptureLogits()
     prompt = model.tokenize(text, add_bos=None)
     generation = model.generate(prompt, max_new_tokens=4, temperature=0.0, add_bos=False, stop_at_eog=False,

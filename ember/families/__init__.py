@@ -17,6 +17,7 @@ from ember.weights import WeightStore
 class Family:
     build_config: Callable[[GGUFFile], ModelConfig]
     build_forward: Callable[[ModelConfig, WeightStore, int], Any]
+    cache_specs: Callable[[Any], list[tuple[int, int, int]]]  # (kv heads, head dim, window) per cache layer
 
 
 def _llama_forward(config: ModelConfig, store: WeightStore, context_length: int) -> llama.LlamaForward:
@@ -24,10 +25,10 @@ def _llama_forward(config: ModelConfig, store: WeightStore, context_length: int)
 
 
 FAMILIES: dict[str, Family] = {
-    "llama": Family(llama.build_config, _llama_forward),
-    "qwen3": Family(llama.build_config, _llama_forward),
-    "gemma3": Family(gemma3.build_config, gemma3.build_forward),
-    "gemma4": Family(gemma4.build_config, gemma4.build_forward),
+    "llama": Family(llama.build_config, _llama_forward, llama.cache_specs),
+    "qwen3": Family(llama.build_config, _llama_forward, llama.cache_specs),
+    "gemma3": Family(gemma3.build_config, gemma3.build_forward, gemma3.cache_specs),
+    "gemma4": Family(gemma4.build_config, gemma4.build_forward, gemma4.cache_specs),
 }
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -38,6 +39,7 @@ from ember.ops import (
     PREFILL_QUERY_CHUNK,
     apply_rope,
     attention,
+    gather_rows,
     gelu_tanh_inplace,
     linear,
     rms_norm,
@@ -130,31 +132,39 @@ def build_config(gguf: GGUFFile) -> Gemma3Config:
     )
 
 
+def cache_specs(config: Gemma3Config) -> list[tuple[int, int, int]]:
+    """(kv heads, head dim, window; 0 = full) of every layer's KV cache."""
+    return [(config.head_count_kv, config.head_dim, config.sliding_window if slides else 0)
+            for slides in config.sliding_layers]
+
+
 @dataclass(slots=True)
 class LayerWeights:
+    """Norm weights are float32 vectors; matrices are whatever `WeightStore` holds."""
+
     attn_norm: np.ndarray
-    qkv: np.ndarray  # [q rows; k rows; v rows] fused into one (out, H) matrix
+    qkv: Any  # [q rows; k rows; v rows] stacked into one (out, H) weight
     q_norm: np.ndarray
     k_norm: np.ndarray
-    attn_output: np.ndarray
+    attn_output: Any
     post_attention_norm: np.ndarray
     ffn_norm: np.ndarray
-    gate_up: np.ndarray  # [gate rows; up rows] fused
-    ffn_down: np.ndarray
+    gate_up: Any  # [gate rows; up rows] stacked
+    ffn_down: Any
     post_ffw_norm: np.ndarray
 
 
 @dataclass(slots=True)
 class Weights:
-    token_embd: np.ndarray  # [V, H], also the LM head when tied
+    token_embd: Any  # [V, H], rows read on demand; also the LM head when tied
     output_norm: np.ndarray
-    output: np.ndarray
+    output: Any
     layers: list[LayerWeights]
 
 
 def load_weights(store: WeightStore, config: Gemma3Config) -> Weights:
-    def fused(*names: str) -> np.ndarray:
-        return store.concatenated(names)
+    def fused(*names: str) -> Any:
+        return store.stacked(names)
 
     layers = []
     for i in range(config.layer_count):
@@ -171,7 +181,8 @@ def load_weights(store: WeightStore, config: Gemma3Config) -> Weights:
             ffn_down=store.matrix(block + "ffn_down.weight"),
             post_ffw_norm=store.vector(block + "post_ffw_norm.weight"),
         ))
-    embedding = store.matrix("token_embd.weight")
+    tied = config.tied_embeddings
+    embedding = store.matrix("token_embd.weight") if tied else store.table("token_embd.weight")
     return Weights(
         token_embd=embedding,
         output_norm=store.vector("output_norm.weight"),
@@ -194,9 +205,7 @@ class Gemma3Forward:
         self.layer_window = [config.sliding_window if slides else 0 for slides in config.sliding_layers]
 
     def new_cache(self, context_length: int) -> LayeredKVCache:
-        c = self.config
-        return LayeredKVCache.build(context_length, [(c.head_count_kv, c.head_dim, window)
-                                                     for window in self.layer_window])
+        return LayeredKVCache.build(context_length, cache_specs(self.config))
 
     def new_workspace(self, rows: int, max_keys: int) -> Workspace:
         return Workspace(self.config, rows, max_keys)
@@ -213,8 +222,7 @@ class Gemma3Forward:
         hooks.begin_evaluation(phase, start_position, T)
 
         hidden = ws.hidden
-        # mode="clip" (ids are validated upstream): with the default "raise" NumPy copies via a temporary
-        np.take(w.token_embd, token_ids, axis=0, out=hidden, mode="clip")
+        gather_rows(w.token_embd, token_ids, hidden)
         hidden *= np.float32(c.embedding_scale)
         for i, layer in enumerate(w.layers):
             hooks.before_layer(i, hidden)

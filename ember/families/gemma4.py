@@ -28,18 +28,16 @@ Per layer l (hd, n_kv, F and the rope set by the layer's kind):
 z = RMSNorm(h[last], output_norm)                              → before_logits
 logits = c·tanh((z Eᵀ)/c),  c = final_logit_softcapping        → after_logits
 
-Memory: `token_embd` (also the LM head) and `per_layer_token_embd` are never dequantized whole. The
-forward asks the WeightStore for the rows of the evaluated tokens only, and the LM head streams the
-table through the logits in blocks of `LM_HEAD_BLOCK_VALUES` dequantized values (so every evaluation
-dequantizes the table once, block by block; see `StreamedLMHead`). The price is time: for E2B's 262144 x 1536
-table, measured per evaluation on a busy 2-core machine with one BLAS thread: Q8_0 0.7-1.6 s, BF16 0.6 s,
-F16 2.7 s, Q6_K 4.3 s and Q4_K 5.1 s (K-quants dequantize through gguf-py). The float32 copy it avoids
-is 1.5 GiB (the PLE table's would be 9 GiB).
+Memory: `token_embd` (also the LM head) and `per_layer_token_embd` are never dequantized whole: the
+forward decodes the rows of the evaluated tokens only, and with quantized weights (the default) the LM
+head multiplies the table in its own encoding (`ember.quant`). With weights="float32" the tied head is
+a float32 copy (1.5 GiB for E2B's 262144 x 1536 table); the PLE table is still read by rows.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -49,14 +47,8 @@ from ember.experiments.context import ExecutionPhase, ModelFamily
 from ember.families.head import final_norm_and_logits, readout_logits
 from ember.gguf_file import GGUFFile
 from ember.kv_cache import LayeredKVCache
-from ember.ops import apply_rope, attention, gelu_tanh_inplace, linear, rms_norm
+from ember.ops import apply_rope, attention, gather_rows, gelu_tanh_inplace, linear, rms_norm
 from ember.weights import WeightStore
-
-# The LM head dequantizes at most this many values at a time (4 MB of float32: a block stays in cache
-# between its dequantization and its matmul). Measured on an E2B-sized Q8_0 table (262144 x 1536, one
-# BLAS thread, a busy 2-core machine): 0.73 s per pass with 2^20-value blocks, 1.0-1.2 s with 2^22,
-# 1.2-2.5 s with 2^24.
-LM_HEAD_BLOCK_VALUES = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,38 +198,50 @@ def _kv_sources(path, sliding: tuple[bool, ...], head_dims: tuple[int, ...], kv_
 # --------------------------------------------------------------------------- weights
 
 
+def cache_specs(config: Gemma4Config) -> list[tuple[int, int, int]]:
+    """(kv heads, head dim, window; 0 = full) of every layer that holds K/V (shared layers hold none)."""
+    c = config
+    return [(c.layer_kv_heads[i], c.layer_head_dims[i], c.sliding_window if c.sliding[i] else 0)
+            for i in range(c.first_shared_layer)]
+
+
 @dataclass(slots=True)
 class LayerWeights:
+    """Norm weights are float32 vectors; matrices are whatever `WeightStore` holds."""
+
     attn_norm: np.ndarray
-    projection: np.ndarray  # [q; k; v] rows when the layer owns K/V (v only if attn_v exists); else q
+    projection: Any  # [q; k; v] rows when the layer owns K/V (v only if attn_v exists); else q
     has_v: bool
     q_norm: np.ndarray
     k_norm: np.ndarray | None  # None on shared layers
-    attn_output: np.ndarray
+    attn_output: Any
     post_attention_norm: np.ndarray
     ffn_norm: np.ndarray
-    gate_up: np.ndarray  # [gate rows; up rows]
-    ffn_down: np.ndarray
+    gate_up: Any  # [gate rows; up rows]
+    ffn_down: Any
     post_ffw_norm: np.ndarray
     output_scale: float  # layer_output_scale; 1.0 when absent
-    ple_gate: np.ndarray | None  # inp_gate (P, H)
-    ple_proj: np.ndarray | None  # proj (H, P)
+    ple_gate: Any  # inp_gate (P, H); None without PLE
+    ple_proj: Any  # proj (H, P); None without PLE
     ple_post_norm: np.ndarray | None
 
 
 @dataclass(slots=True)
 class Weights:
+    token_embd: Any  # [V, H], rows read on demand
+    ple_token_embd: Any  # per_layer_token_embd [V, L·P], rows read on demand
+    output: Any  # the LM head: token_embd itself when tied
     output_norm: np.ndarray
     rope_freqs: np.ndarray | None  # factors of the full layers' rope
-    ple_model_proj: np.ndarray | None  # per_layer_model_proj (L·P, H)
+    ple_model_proj: Any  # per_layer_model_proj (L·P, H); None without PLE
     ple_proj_norm: np.ndarray | None
     layers: list[LayerWeights]
 
 
 def load_weights(store: WeightStore, config: Gemma4Config) -> Weights:
-    def fused(*names: str) -> np.ndarray:
-        # one matrix instead of two or three halves the BLAS calls per layer in decode
-        return store.concatenated(names)
+    def fused(*names: str) -> Any:
+        # one weight instead of two or three: fewer calls per layer in decode
+        return store.stacked(names)
 
     ple = config.per_layer_input_dim > 0
     layers = []
@@ -272,40 +276,18 @@ def load_weights(store: WeightStore, config: Gemma4Config) -> Weights:
     if has_full and not store.has("rope_freqs.weight"):
         raise GGUFError(f"{store.gguf.path}: tensor 'rope_freqs.weight' is missing; Gemma 4's full-attention "
                         "layers need it for their partial rope")
+    tied = config.tied_embeddings
+    embedding = store.matrix("token_embd.weight") if tied else store.table("token_embd.weight")
     return Weights(
+        token_embd=embedding,
+        ple_token_embd=store.table("per_layer_token_embd.weight") if ple else None,
+        output=embedding if tied else store.matrix("output.weight"),
         output_norm=store.vector("output_norm.weight"),
         rope_freqs=store.vector("rope_freqs.weight") if has_full else None,
         ple_model_proj=store.matrix("per_layer_model_proj.weight") if ple else None,
         ple_proj_norm=store.vector("per_layer_proj_norm.weight") if ple else None,
         layers=layers,
     )
-
-
-class StreamedLMHead:
-    """Logits = z Eᵀ without ever holding E dequantized whole.
-
-    E (`token_embd`, or `output` when the head is not tied) is read in blocks of rows through
-    `WeightStore.rows`; each block is dequantized, multiplied into its slice of the logits and dropped.
-    Cost: one dequantization of the whole table per evaluation (whatever the number of rows evaluated),
-    with at most `LM_HEAD_BLOCK_VALUES` float32 values alive at once.
-    """
-
-    def __init__(self, store: WeightStore, name: str, vocab_size: int, hidden_size: int) -> None:
-        self.store = store
-        self.name = name
-        self.block_rows = max(1, min(vocab_size, LM_HEAD_BLOCK_VALUES // hidden_size))
-        self.row_ids = np.arange(vocab_size, dtype=np.int64)
-
-    def __call__(self, normed: np.ndarray, out: np.ndarray) -> np.ndarray:
-        vocab_size = out.shape[1]
-        for start in range(0, vocab_size, self.block_rows):
-            stop = min(start + self.block_rows, vocab_size)
-            rows = self.store.rows(self.name, self.row_ids[start:stop])
-            if normed.shape[0] == 1:
-                np.matmul(normed[0], rows.T, out=out[0, start:stop])
-            else:
-                out[:, start:stop] = normed @ rows.T
-        return out
 
 
 # --------------------------------------------------------------------------- forward
@@ -354,6 +336,7 @@ class Workspace:
         self.mlp_scratch = np.zeros(rows * F, f32)
         self.mlp_output = np.zeros((rows, H), f32)
         self.ple = np.zeros((rows, L, P), f32)
+        self.ple_identity = np.zeros((rows, L * P), f32)
         self.ple_row_scratch = np.zeros((rows, L, 1), f32)
         self.ple_gate = np.zeros((rows, P), f32)
         self.ple_scratch = np.zeros((rows, P), f32)
@@ -376,8 +359,6 @@ class Gemma4Forward:
         self.config = config
         self.weights = weights
         self.store = store
-        head_name = "token_embd.weight" if config.tied_embeddings else "output.weight"
-        self.lm_head = StreamedLMHead(store, head_name, config.vocab_size, config.hidden_size)
         self.inverse_frequency_full = _inverse_frequencies(config.rope_dim, config.rope_base,
                                                            weights.rope_freqs)
         self.inverse_frequency_swa = _inverse_frequencies(config.rope_dim_swa, config.rope_base_swa, None)
@@ -388,10 +369,7 @@ class Gemma4Forward:
         self.ple_combine_scale = np.float32(1.0 / np.sqrt(2.0))
 
     def new_cache(self, context_length: int) -> LayeredKVCache:
-        c = self.config
-        specs = [(c.layer_kv_heads[i], c.layer_head_dims[i], c.sliding_window if c.sliding[i] else 0)
-                 for i in range(c.first_shared_layer)]  # shared layers hold no K/V of their own
-        return LayeredKVCache.build(context_length, specs)
+        return LayeredKVCache.build(context_length, cache_specs(self.config))
 
     def new_workspace(self, rows: int, max_keys: int) -> Workspace:
         return Workspace(self.config, rows, max_keys)
@@ -399,8 +377,8 @@ class Gemma4Forward:
     # -- inputs ------------------------------------------------------------------------------
 
     def embed(self, token_ids: np.ndarray, out: np.ndarray) -> None:
-        """out = E[t]·√H, dequantizing only the rows of these tokens."""
-        out[...] = self.store.rows("token_embd.weight", token_ids)
+        """out = E[t]·√H, decoding only the rows of these tokens."""
+        gather_rows(self.weights.token_embd, token_ids, out)
         out *= self.embedding_scale
 
     def per_layer_inputs(self, token_ids: np.ndarray, embedded: np.ndarray, ws: Workspace) -> np.ndarray:
@@ -412,7 +390,7 @@ class Gemma4Forward:
         linear(embedded, w.ple_model_proj, context)
         context *= self.ple_projection_scale
         rms_norm(ple, w.ple_proj_norm, c.rms_norm_eps, ple, ws.ple_row_scratch[:T])
-        identity = self.store.rows("per_layer_token_embd.weight", token_ids)
+        identity = gather_rows(w.ple_token_embd, token_ids, ws.ple_identity[:T])
         identity *= self.ple_token_scale
         context += identity
         context *= self.ple_combine_scale
@@ -515,8 +493,8 @@ class Gemma4Forward:
                                      all_logits)
 
     def logits(self, normed: np.ndarray, out: np.ndarray) -> np.ndarray:
-        """The tied LM head, then the final softcap c·tanh(x/c)."""
-        self.lm_head(normed, out)
+        """The (normally tied) LM head, then the final softcap c·tanh(x/c)."""
+        linear(normed, self.weights.output, out)
         cap = self.config.final_logit_softcap
         if cap:
             out *= np.float32(1.0 / cap)

@@ -18,6 +18,7 @@ logits = z Woutᵀ (or z Eᵀ when tied)         → after_logits
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -28,7 +29,7 @@ from ember.families.head import final_norm_and_logits, readout_logits
 from ember.families.workspace import Workspace
 from ember.gguf_file import GGUFFile
 from ember.kv_cache import KVCache
-from ember.ops import apply_rope, attention, linear, rms_norm, rope_tables, silu_inplace
+from ember.ops import apply_rope, attention, gather_rows, linear, rms_norm, rope_tables, silu_inplace
 from ember.weights import WeightStore
 
 FAMILY_OF_ARCHITECTURE = {"llama": ModelFamily.LLAMA, "qwen3": ModelFamily.QWEN3}
@@ -80,30 +81,38 @@ def build_config(gguf: GGUFFile) -> ModelConfig:
     )
 
 
+def cache_specs(config: ModelConfig) -> list[tuple[int, int, int]]:
+    """(kv heads, head dim, window) of every layer's KV cache: all full attention."""
+    return [(config.head_count_kv, config.head_dim, 0)] * config.layer_count
+
+
 @dataclass(slots=True)
 class LayerWeights:
+    """Norm weights are float32 vectors; matrices are whatever `WeightStore` holds (quantized blocks
+    or float32), multiplied by `ember.ops.linear`."""
+
     attn_norm: np.ndarray
-    qkv: np.ndarray  # [q rows; k rows; v rows] fused into one (out, H) matrix
+    qkv: Any  # [q rows; k rows; v rows] stacked into one (out, H) weight
     q_norm: np.ndarray | None
     k_norm: np.ndarray | None
-    attn_output: np.ndarray
+    attn_output: Any
     ffn_norm: np.ndarray
-    gate_up: np.ndarray  # [gate rows; up rows] fused
-    ffn_down: np.ndarray
+    gate_up: Any  # [gate rows; up rows] stacked
+    ffn_down: Any
 
 
 @dataclass(slots=True)
 class Weights:
-    token_embd: np.ndarray | None  # the whole table only when it is also the LM head
+    token_embd: Any  # rows read on demand (`gather_rows`); also the LM head when tied
     output_norm: np.ndarray
-    output: np.ndarray
+    output: Any
     layers: list[LayerWeights]
 
 
 def load_weights(store: WeightStore, config: ModelConfig) -> Weights:
-    def fused(*names: str) -> np.ndarray:
-        # One matrix instead of three (two) halves the BLAS calls per layer in decode.
-        return store.concatenated(names)
+    def fused(*names: str) -> Any:
+        # One weight instead of three (two): one call per layer in decode instead of three (two).
+        return store.stacked(names)
 
     layers = []
     for i in range(config.layer_count):
@@ -118,7 +127,10 @@ def load_weights(store: WeightStore, config: ModelConfig) -> Weights:
             gate_up=fused(block + "ffn_gate.weight", block + "ffn_up.weight"),
             ffn_down=store.matrix(block + "ffn_down.weight"),
         ))
-    embedding = store.matrix("token_embd.weight") if config.tied_embeddings else None
+    if config.tied_embeddings:
+        embedding = store.matrix("token_embd.weight")
+    else:
+        embedding = store.table("token_embd.weight")
     return Weights(
         token_embd=embedding,
         output_norm=store.vector("output_norm.weight"),
@@ -150,11 +162,7 @@ class LlamaForward:
         return Workspace(self.config, rows, max_keys)
 
     def embed(self, token_ids: np.ndarray, out: np.ndarray) -> None:
-        if self.weights.token_embd is not None:
-            # mode="clip" (ids are validated upstream): with the default "raise" NumPy copies via a temporary
-            np.take(self.weights.token_embd, token_ids, axis=0, out=out, mode="clip")
-        else:
-            out[...] = self.store.rows("token_embd.weight", token_ids)
+        gather_rows(self.weights.token_embd, token_ids, out)
 
     def forward(self, token_ids: np.ndarray, start_position: int, cache: KVCache, ws: Workspace,
                 hooks, phase: ExecutionPhase, *, all_logits: bool = False) -> np.ndarray:

@@ -180,9 +180,10 @@ def _run_prepared(prepared: Prepared, job: JobInfo, recorder: Recorder, threads:
     recorder.start(prepared.run_name, tags, flatten(prepared.plain))
     recorder.log_text(OmegaConf.to_yaml(OmegaConf.create(prepared.plain)), "config.yaml")
 
-    model, cache_hit = models.cached_model(prepared.model_file, run.model.context_length, threads)
+    model, cache_hit = models.cached_model(prepared.model_file, run.model.context_length, threads,
+                                           run.model.weights)
     recorder.set_tags({"ember.model_cache": "hit" if cache_hit else "miss",
-                       "model.context_length": str(model.context_length)})
+                       "model.context_length": str(model.context_length), "model.weights": model.weights})
     recorder.log_metrics([("model.load_seconds", 0.0 if cache_hit else model.load_seconds, 0),
                           ("model.first_load_seconds", model.load_seconds, 0)])
     if prepared.study is not None:

@@ -5,16 +5,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-# Loaded models of this process, by (resolved file, context length): the jobs of a sweep run by the
-# basic launcher (or by one joblib worker) load each model once.
-_MODELS: dict[tuple[str, int | None], Any] = {}
+# Loaded models of this process, by (resolved file, context length, weight mode): the jobs of a sweep
+# run by the basic launcher (or by one joblib worker) load each model once.
+_MODELS: dict[tuple[str, int | None, str], Any] = {}
 
 
-def cached_model(model_file: Any, context_length: int | None, threads: int) -> tuple[Any, bool]:
+def cached_model(model_file: Any, context_length: int | None, threads: int,
+                 weights: str = "quantized") -> tuple[Any, bool]:
     """(model, cache hit). The engine's own thread count follows this job's."""
     from ember.model import load_model
 
-    key = (str(Path(model_file.path).resolve()), context_length)
+    key = (str(Path(model_file.path).resolve()), context_length, weights)
     model = _MODELS.get(key)
     if model is not None:
         model.threads = threads
@@ -22,14 +23,14 @@ def cached_model(model_file: Any, context_length: int | None, threads: int) -> t
     from ember.progress import Progress
 
     with Progress.status(f"loading {Path(model_file.path).name}"):
-        model = load_model(model_file, context_length=context_length, threads=threads)
+        model = load_model(model_file, context_length=context_length, threads=threads, weights=weights)
     _MODELS[key] = model
     return model, False
 
 
-def cached(model_file: Any, context_length: int | None) -> Any:
-    """The model already loaded for this file and context length, or None."""
-    return _MODELS.get((str(Path(model_file.path).resolve()), context_length))
+def cached(model_file: Any, context_length: int | None, weights: str = "quantized") -> Any:
+    """The model already loaded for this file, context length and weight mode, or None."""
+    return _MODELS.get((str(Path(model_file.path).resolve()), context_length, weights))
 
 
 def clear() -> None:

@@ -57,7 +57,7 @@ def prepare(cfg: DictConfig) -> Prepared:
     run = parse_run_config(cfg)
     plain = to_plain(cfg)
     model_file = resolve_model(run.model.source)
-    loaded = models.cached(model_file, run.model.context_length)
+    loaded = models.cached(model_file, run.model.context_length, run.model.weights)
     if loaded is not None:
         gguf, model_config, tokenizer = loaded.gguf, loaded.config, loaded.tokenizer
     else:
@@ -80,6 +80,15 @@ def prepare(cfg: DictConfig) -> Prepared:
         context_length=model_config.context_length,
         prompt_token_count=len(prompt_ids),
     )
+    if loaded is None:  # refuse what cannot fit before the run is recorded or anything is allocated
+        from ember.families import FAMILIES
+        from ember.memory import check_memory, estimate_memory
+
+        context = run.model.context_length or model_config.context_length
+        specs = FAMILIES[model_config.architecture].cache_specs(model_config)
+        needed = estimate_memory(gguf, model_config, specs, context, run.model.weights)
+        check_memory(needed, model_file.name or Path(model_file.path).name, run.model.weights,
+                     context_option="model.context_length=", weights_option="model.weights=quantized")
     label = model_label(run.model.source, model_file)
     name = run_name(run.experiments, experiments, label)
     if study is not None and run.data is not None:  # e.g. "ablation[layer=3] capitals×54 smollm2-135m"

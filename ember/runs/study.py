@@ -103,6 +103,13 @@ class Study:
                     advance(1)
         except ExperimentFailure as error:
             failure = error
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: keep what the items done so far showed
+            if self.rows:
+                try:
+                    self._record(None)
+                except Exception as error:
+                    self.say(f"ember: the partial study could not be recorded: {error}")
+            raise
         summary = self._record(failure)
         return StudyOutcome(len(self.rows), failure, summary)
 

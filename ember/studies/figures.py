@@ -37,7 +37,8 @@ def points_figure(name: str, labels: Sequence[str], x: Sequence[float] | None, m
 
     from matplotlib.figure import Figure
 
-    figure = Figure(figsize=(max(6, 0.5 * len(means) + 3), 4), layout="constrained")
+    width = 8 if x is not None else max(6, 0.5 * len(means) + 3)
+    figure = Figure(figsize=(width, 4), layout="constrained")
     ax = figure.subplots()
     positions = list(x) if x is not None else list(range(len(means)))
     def known(value: float | None) -> bool:

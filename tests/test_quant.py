@@ -1,0 +1,94 @@
+"""The numba kernels: every block type decodes to gguf-py's values bit for bit; products match float32."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as Q
+
+from ember.quant import kernels
+from ember.quant.matrix import TILE_VALUES, QuantizedMatrix, StackedMatrix
+from ember.weights import KERNEL_TYPES
+
+RNG = np.random.default_rng(11)
+QUANTIZED = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+# Byte offsets of each block's f16 scale fields: random bits there would give NaN or huge values.
+SCALE_FIELDS = {Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_0: (0,),
+                Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+
+
+def random_encoded(qtype: Q, rows: int, columns: int) -> np.ndarray:
+    """[rows, bytes per row] of `qtype`: every byte random except finite, small f16 scales."""
+    if qtype == Q.F32:
+        return RNG.standard_normal((rows, columns)).astype(np.float32).view(np.uint8)
+    if qtype == Q.F16:
+        return RNG.standard_normal((rows, columns)).astype(np.float16).view(np.uint8)
+    if qtype == Q.BF16:
+        bits = RNG.standard_normal((rows, columns)).astype(np.float32).view(np.uint32) >> 16
+        return bits.astype(np.uint16).view(np.uint8)
+    block_values, block_bytes = GGML_QUANT_SIZES[qtype]
+    blocks = RNG.integers(0, 256, size=(rows, columns // block_values, block_bytes), dtype=np.uint8)
+    for at in SCALE_FIELDS[qtype]:
+        scales = RNG.uniform(-0.02, 0.02, size=blocks.shape[:2]).astype(np.float16)
+        blocks[..., at:at + 2] = scales.view(np.uint8).reshape(*blocks.shape[:2], 2)
+    return blocks.reshape(rows, -1)
+
+
+def reference_values(qtype: Q, data: np.ndarray) -> np.ndarray:
+    if qtype == Q.F32:
+        return data.view(np.float32)
+    if qtype == Q.F16:
+        return data.view(np.float16).astype(np.float32)
+    if qtype == Q.BF16:
+        return (data.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    return gguf.quants.dequantize(data, qtype).astype(np.float32)
+
+
+@pytest.mark.parametrize("qtype", sorted(KERNEL_TYPES, key=int), ids=lambda t: t.name)
+def test_every_block_type_decodes_like_gguf_py_and_multiplies_like_float32(qtype):
+    rows, columns = 48, 768
+    data = random_encoded(qtype, rows, columns)
+    data.flags.writeable = False
+    expected = reference_values(qtype, data)
+    matrix = QuantizedMatrix("w", data, int(qtype), (rows, columns))
+
+    np.testing.assert_array_equal(matrix.dequantize(), expected)  # bit for bit
+    ids = np.array([5, 0, 47, 5])
+    np.testing.assert_array_equal(matrix.rows(ids, np.empty((4, columns), np.float32)), expected[ids])
+
+    exact = expected.astype(np.float64)
+    for tokens in (1, 7):  # decode's matrix-vector kernel, and a prefill tile through BLAS
+        x = RNG.standard_normal((tokens, columns)).astype(np.float32)
+        got = matrix.matmul(x, np.zeros((tokens, rows), np.float32))
+        reference = x.astype(np.float64) @ exact.T
+        assert np.abs(got - reference).max() <= 2e-6 * np.abs(reference).max()
+
+
+def test_stacked_parts_of_two_types_multiply_into_their_columns(monkeypatch):
+    import ember.quant.matrix as matrix_module
+
+    monkeypatch.setattr(matrix_module, "TILE_VALUES", 5 * 256)  # several tiles, the last one short
+    rows, columns = 23, 256
+    parts = [QuantizedMatrix(f"p{i}", random_encoded(qtype, rows, columns), int(qtype), (rows, columns))
+             for i, qtype in enumerate((Q.Q4_K, Q.Q8_0))]
+    stacked = StackedMatrix(parts)
+    weight = np.concatenate([reference_values(Q(p.ggml_type), p.data) for p in parts])
+    for tokens in (9, 1):  # prefill tiles; decode's one kernel call over both parts
+        x = RNG.standard_normal((tokens, columns)).astype(np.float32)
+        out = np.full((tokens, 2 * rows), np.nan, np.float32)
+        stacked.matmul(x, out)
+        expected = x.astype(np.float64) @ weight.T.astype(np.float64)
+        assert np.abs(out - expected).max() <= 1e-6 * np.abs(expected).max()  # every column written
+    assert TILE_VALUES >= 1 << 20  # the real tile: BLAS-sized
+
+
+def test_decoders_never_read_past_their_row():
+    # A row's last block decoded from a view that ends exactly there (a file mapping can end too).
+    for qtype in (Q.Q4_K, Q.Q6_K, Q.Q5_0, Q.BF16):
+        data = random_encoded(qtype, 3, 512)
+        view = np.ascontiguousarray(data)[1:2]
+        out = np.empty((1, 512), np.float32)
+        kernels.dequantize_range(int(qtype), view, 0, out, kernels.F16_TABLE, 16)
+        np.testing.assert_array_equal(out, reference_values(qtype, data)[1:2])

@@ -1,0 +1,47 @@
+"""The contract's readout (v0.2) on every family: the last layer's output rows through `Readout.logits`
+are the model's own logits bit for bit (Gemma 4: with its streamed LM head and final softcap)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ember.experiments import Experiment
+
+
+class LastLayer(Experiment):
+    name = "last_layer"
+    may_write = False
+
+    def __init__(self, layer: int) -> None:
+        self.layer = layer
+        self.rows: np.ndarray | None = None
+
+    def after_layer(self, ctx, hidden):
+        if ctx.layer_index == self.layer and ctx.execution.phase.value == "prefill":
+            self.rows = hidden.values().copy()
+
+
+def check(model, ids: list[int]) -> None:
+    seen = LastLayer(model.config.layer_count - 1)
+    model.generate(ids, max_new_tokens=1, experiments=[seen])
+    assert np.array_equal(model.model_context.readout.logits(seen.rows), model.logits(ids))
+
+
+def test_gemma4_readout(tmp_path):
+    from test_gemma4_engine import PROMPT, tiny_file
+
+    import ember
+
+    _, path = tiny_file(tmp_path)
+    check(ember.load_model(path, context_length=64), PROMPT)
+
+
+def test_gemma3_readout(tmp_path):
+    pytest.importorskip("torch")
+    from test_gemma3_tiny import tiny_gemma3, write_gemma3_gguf
+
+    import ember
+
+    path = write_gemma3_gguf(tiny_gemma3("default"), tmp_path / "tiny.gguf", "default")
+    check(ember.load_model(path), [2, 10, 11, 12, 13, 14, 15])
