@@ -241,6 +241,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from ember.experiments import BUILTIN_EXPERIMENTS, ExperimentFailure
     from ember.inspection.records import mlflow_run
     from ember.runconfig import build_experiments
+    from ember.runs.checkpoint import Checkpoints
 
     specs = experiment_specs(args.experiment)
     tracer = _tracer(args)
@@ -259,28 +260,35 @@ def cmd_generate(args: argparse.Namespace) -> int:
                     "dump_logits": args.dump_logits})
         if not args.chat:
             print(args.prompt, end="", flush=True)
+        # The text so far goes into the run as it comes (ember.runs.checkpoint): a killed run keeps it.
+        checkpoints = Checkpoints(log.tracker, log.run_id, model.tokenize(prompt), experiments, show=stream)
+        options.update(on_text=checkpoints.on_text, on_token=checkpoints.on_token)
         status = EXIT_OK
-        if dumping:
-            from ember.inspection.dumps import dump_generation
+        try:
+            if dumping:
+                from ember.inspection.dumps import dump_generation
 
-            folder = Path(args.dump_dir or Path("outputs") / "dumps" / _stamp())
-            result = dump_generation(model, prompt, folder, layers=args.dump_layers, logits=args.dump_logits,
-                                     on_text=stream, **options)
-            generation = result.generation
-            print(flush=True)
-            log.files(result.files, "dump")
-            say(f"dump of {result.index['evaluations']} evaluations written to {folder}")
-        else:
-            try:
-                generation = model.generate(prompt, experiments=experiments, on_text=stream, **options)
-            except ExperimentFailure as failure:
-                generation, status = failure.generation, EXIT_FAILED
-                log.failed = True
+                folder = Path(args.dump_dir or Path("outputs") / "dumps" / _stamp())
+                result = dump_generation(model, prompt, folder, layers=args.dump_layers,
+                                         logits=args.dump_logits, **options)
+                generation = result.generation
                 print(flush=True)
-                say(str(failure))
-                log.tags({"ember.failure": str(failure)})
+                log.files(result.files, "dump")
+                say(f"dump of {result.index['evaluations']} evaluations written to {folder}")
             else:
-                print(flush=True)
+                try:
+                    generation = model.generate(prompt, experiments=experiments, **options)
+                except ExperimentFailure as failure:
+                    generation, status = failure.generation, EXIT_FAILED
+                    log.failed = True
+                    print(flush=True)
+                    say(str(failure))
+                    log.tags({"ember.failure": str(failure)})
+                else:
+                    print(flush=True)
+        except KeyboardInterrupt:  # the run ends KILLED with exactly the text shown
+            checkpoints.write("interrupted")
+            raise
         _log_generation(log, generation)
         _finish_trace(args, tracer, log)
         if generation is not None:
@@ -304,8 +312,10 @@ def _log_generation(log: Any, generation: Any) -> None:
                  ("tokens.generated", len(generation.token_ids), 0),
                  ("prefill.tokens_per_second", t.prefill_tokens_per_second, 0),
                  ("decode.tokens_per_second", t.decode_tokens_per_second, 0)])
-    log.json({"text": generation.text, "prompt_token_ids": generation.prompt_token_ids,
-              "token_ids": generation.token_ids, "stop_reason": generation.stop_reason}, "generation.json")
+    from ember.runs.records import generation_record
+
+    log.json(generation_record(generation), "generation.json")  # the checkpoints' names, now complete
+    log.text(generation.text, "generation.txt")
     from ember.runs.summary import experiment_summary
 
     for name, result in generation.experiment_results.items():

@@ -100,31 +100,61 @@ class InterruptAfterItems(Experiment):
             raise KeyboardInterrupt
 
 
+def wait_to_be_killed(folder: Path, seconds: float) -> None:
+    """Write this process's pid to `folder/pid` (atomically) and wait, at most `seconds`, to be killed."""
+    import os
+    import time
+
+    (folder / "pid.tmp").write_text(str(os.getpid()))
+    (folder / "pid.tmp").rename(folder / "pid")
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+    raise ExperimentError(f"waited {seconds} s and nobody killed this process")
+
+
 class WaitToBeKilled(Experiment):
-    """In the job whose `layer` is `victim`: writes this process's pid to `folder/pid` at the first decode
-    step and waits (at most `wait_seconds`) to be killed from outside; a job started again after that
-    (`folder/killed` exists) runs through. Every other job runs through at once."""
+    """In the job whose `layer` is `victim`: at decode evaluation number `decode_step` (by then that many
+    tokens were generated), writes this process's pid to `folder/pid` and waits (at most `wait_seconds`)
+    to be killed from outside; a job started again after that (`folder/killed` exists) runs through.
+    Every other job runs through at once."""
 
     name = "wait_to_be_killed"
     may_write = False
 
-    def __init__(self, folder: str, layer: int = 0, victim: int = 0, wait_seconds: float = 300.0) -> None:
+    def __init__(self, folder: str, layer: int = 0, victim: int = 0, wait_seconds: float = 300.0,
+                 decode_step: int = 1) -> None:
         self.folder = Path(folder)
         self.waits = layer == victim
         self.wait_seconds = wait_seconds
+        self.decode_step = decode_step
+        self.decodes = 0
 
     def after_layer(self, ctx: LayerContext, hidden: TensorAccess) -> None:
-        import os
-        import time
-
-        if not self.waits or ctx.execution.phase is not ExecutionPhase.DECODE:
+        if not self.waits or ctx.execution.phase is not ExecutionPhase.DECODE or ctx.layer_index != 0:
+            return
+        self.decodes += 1
+        if self.decodes < self.decode_step:
             return
         self.waits = False
-        if (self.folder / "killed").exists():
-            return
-        (self.folder / "pid.tmp").write_text(str(os.getpid()))
-        (self.folder / "pid.tmp").rename(self.folder / "pid")
-        deadline = time.monotonic() + self.wait_seconds
-        while time.monotonic() < deadline:
-            time.sleep(0.1)
-        raise ExperimentError(f"waited {self.wait_seconds} s and nobody killed this process")
+        if not (self.folder / "killed").exists():
+            wait_to_be_killed(self.folder, self.wait_seconds)
+
+
+class WaitToBeKilledAtItem(Experiment):
+    """In a study: when item number `items` (0-based) starts, the items before it done, writes this
+    process's pid to `folder/pid` and waits (at most `wait_seconds`) to be killed from outside."""
+
+    name = "wait_to_be_killed_at_item"
+    may_write = False
+    started = 0  # instances are made per item: count across them
+
+    def __init__(self, folder: str, items: int = 2, wait_seconds: float = 300.0) -> None:
+        self.folder = Path(folder)
+        self.items = items
+        self.wait_seconds = wait_seconds
+
+    def before_prefill(self, ctx: object) -> None:
+        type(self).started += 1
+        if type(self).started > self.items:
+            wait_to_be_killed(self.folder, self.wait_seconds)

@@ -1,12 +1,15 @@
-"""What a job has so far, written into its run while it generates: a killed run keeps it.
+"""What a run has so far, written into it while it works: a killed run keeps it.
 
-Every `EMBER_CHECKPOINT_SECONDS` (default 5 s) of generation, the text and token ids produced so far go
-to `generation.json` / `generation.txt` (with `"complete": false`), and each experiment's results so far
-(`Experiment.results()` is "what the experiment measured so far") to `experiments/<name>/metrics.json`
-and its table files. The run's final records are written under the same names, so a finished run holds
-no stale checkpoint; a run killed with SIGKILL (or by the OOM killer) keeps the last checkpoint, and an
-interrupted one (Ctrl-C, SIGTERM) gets one more checkpoint at the moment it stops, with exactly the text
-already shown on the console.
+Every `EMBER_CHECKPOINT_SECONDS` (default 5 s; 0: at every chance) of work, a run writes what it has
+under the names of its final records, so a finished run holds no stale checkpoint:
+- a generation (`python -m ember.run`, `ember generate`): the text and token ids so far in
+  `generation.json` / `generation.txt` (with `"complete": false`), and each experiment's results so far
+  (`Experiment.results()` is "what the experiment measured so far") in `experiments/<name>/metrics.json`
+  and its table files (`Checkpoints`);
+- a study: the rows of the items done so far in `study/items.json` (`ember.runs.study`, on `Interval`).
+A run killed with SIGKILL (or by the OOM killer) keeps the last checkpoint, and an interrupted one
+(Ctrl-C, SIGTERM) gets one more at the moment it stops, with exactly the text already shown on the
+console; the next ember command on the store closes the killed run as KILLED (`ember.heartbeat`).
 
 The cost is one `results()` call per experiment and a few small artifact writes per interval (measured
 on the SQLite store with `activation_stats` after 64 tokens, 2-core machine at load 13: 85 ms median a
@@ -21,26 +24,40 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ember import tracking
-from ember.runs.records import Recorder
 
 
 def interval_seconds() -> float:
     return float(os.environ.get("EMBER_CHECKPOINT_SECONDS", "5"))
 
 
-class Checkpoints:
-    """The text and tokens of one generation as they come, written to the run at intervals."""
+class Interval:
+    """Whether a checkpoint is due: `EMBER_CHECKPOINT_SECONDS` since the last one (or the start)."""
 
-    def __init__(self, recorder: Recorder, prompt_ids: Sequence[int], experiments: Sequence[Any],
-                 show: Callable[[str], None] | None = None) -> None:
-        self.recorder = recorder
+    def __init__(self) -> None:
+        self.seconds = interval_seconds()
+        self.last = time.monotonic()
+
+    def due(self) -> bool:
+        return time.monotonic() - self.last >= self.seconds
+
+    def restart(self) -> None:
+        self.last = time.monotonic()
+
+
+class Checkpoints:
+    """The text and tokens of one generation as they come, written to the run (`tracker`, `run_id`;
+    nothing without them) at intervals."""
+
+    def __init__(self, tracker: tracking.Tracker | None, run_id: str | None, prompt_ids: Sequence[int],
+                 experiments: Sequence[Any], show: Callable[[str], None] | None = None) -> None:
+        self.tracker = tracker
+        self.run_id = run_id
         self.prompt_ids = list(prompt_ids)
         self.experiments = list(experiments)
         self.show = show
         self.pieces: list[str] = []
         self.token_ids: list[int] = []
-        self.interval = interval_seconds()
-        self.last_write = time.monotonic()
+        self.interval = Interval()
         self.writes = 0
 
     @property
@@ -54,38 +71,38 @@ class Checkpoints:
 
     def on_token(self, token_id: int) -> None:
         self.token_ids.append(int(token_id))
-        if time.monotonic() - self.last_write >= self.interval:
+        if self.interval.due():
             self.write("in progress")
 
     def write(self, state: str) -> None:
         """The generation and the experiments' results so far, under their final artifact names."""
-        self.last_write = time.monotonic()
-        if self.recorder.run_id is None:
+        self.interval.restart()
+        if self.tracker is None or self.run_id is None:
             return
         self.writes += 1
-        self.recorder.log_json({"text": self.text, "prompt_token_ids": self.prompt_ids,
-                                "token_ids": self.token_ids, "stop_reason": state, "complete": False},
-                               "generation.json")
-        self.recorder.log_text(self.text, "generation.txt")
+        self.tracker.log_json(self.run_id, {"text": self.text, "prompt_token_ids": self.prompt_ids,
+                                            "token_ids": self.token_ids, "stop_reason": state,
+                                            "complete": False}, "generation.json")
+        self.tracker.log_text(self.run_id, self.text, "generation.txt")
         for experiment in self.experiments:
             try:
                 result = experiment.results()
             except Exception:  # an experiment that cannot report mid-way: its final results still count
                 continue
-            write_partial_result(self.recorder, str(experiment.name), result)
+            write_partial_result(self.tracker, self.run_id, str(experiment.name), result)
 
 
 def experiment_folder(name: str) -> str:
     return f"experiments/{tracking.metric_key(name).replace(' ', '_').replace('/', '_')}"
 
 
-def write_partial_result(recorder: Recorder, name: str, result: Any) -> None:
+def write_partial_result(tracker: tracking.Tracker, run_id: str, name: str, result: Any) -> None:
     """Metrics (as JSON: MLflow metrics cannot be taken back) and tables of a result so far."""
     folder = experiment_folder(name)
     metrics = [{"name": m.name, "value": m.value, "step": m.step} for m in result.metrics]
-    recorder.log_json(metrics, f"{folder}/metrics.json")
+    tracker.log_json(run_id, metrics, f"{folder}/metrics.json")
     for table, rows in result.tables.items():
         rows = list(rows)
-        recorder.log_json(rows, f"{folder}/{table}.json")
+        tracker.log_json(run_id, rows, f"{folder}/{table}.json")
         if rows:
-            recorder.log_text(tracking.table_csv(rows), f"{folder}/{table}.csv")
+            tracker.log_text(run_id, tracking.table_csv(rows), f"{folder}/{table}.csv")

@@ -198,7 +198,8 @@ def _run_prepared(prepared: Prepared, job: JobInfo, recorder: Recorder, threads:
     from ember.tracing import Tracer
 
     tracer = Tracer(layers=run.trace_layers) if run.tracing else None
-    checkpoints = Checkpoints(recorder, prepared.prompt_ids, prepared.experiments, show=stream)
+    checkpoints = Checkpoints(recorder.tracker, recorder.run_id, prepared.prompt_ids, prepared.experiments,
+                              show=stream)
     try:
         generation = model.generate(
             prepared.prompt_ids, max_new_tokens=run.max_new_tokens, temperature=run.sampling.temperature,

@@ -7,7 +7,8 @@ experiment per item) and measures: the answer's probability, rank and logit (and
 (`answer.correct`), and for interventions the effect against the clean model over the same tokens (KL,
 top-1 agreement, first divergent step; the clean answer metrics and their deltas).
 
-Recorded: the prompt set as the run's dataset input; one row per item in the `study/items.json` table;
+Recorded: the prompt set as the run's dataset input; one row per item in the `study/items.json` table
+(written as the items are done, every `EMBER_CHECKPOINT_SECONDS`, so a killed study keeps them);
 per metric (and per step of a series) the mean, standard error and 95% bootstrap interval as metrics
 (`name`, `name.se`, `name.ci_low`, `name.ci_high`; series with the step, e.g. the layer); a figure per key
 series; the experiments' own study results; timings (`study.engine_seconds`, `study.runner_seconds`,
@@ -29,6 +30,7 @@ from ember.experiments.readout import log_softmax
 from ember.experiments.runner import ExperimentRunner
 from ember.experiments.study import Evaluation, ItemResult, StudyItem
 from ember.runconfig import build_experiments
+from ember.runs.checkpoint import Interval
 from ember.runs.effect import LogitsRecorder, intervention_effect
 from ember.runs.prepare import may_write
 from ember.studies.aggregate import Aggregate, aggregate_columns
@@ -75,6 +77,7 @@ class Study:
         self.values: list[dict[tuple[str, int], float]] = []
         self.series_names: set[str] = set()
         self.key: list[str] = []
+        self.checkpoint = Interval()
 
     # -- evaluation ------------------------------------------------------------------------------
 
@@ -100,6 +103,8 @@ class Study:
                     else:
                         result = self._generate(item, run)
                     self._collect(item, result)
+                    if self.checkpoint.due():
+                        self._write_items()
                     advance(1)
         except ExperimentFailure as error:
             failure = error
@@ -193,6 +198,12 @@ class Study:
 
     # -- records ---------------------------------------------------------------------------------
 
+    def _write_items(self) -> None:
+        """The rows of the items done so far, under the table's final name."""
+        self.checkpoint.restart()
+        self.recorder.log_table(_columns(self.rows), "study/items.json")
+        self.recorder.set_tags({"ember.study.items": str(len(self.rows))})
+
     def _record_dataset(self) -> None:
         prompts = self.plan.prompt_set
         inline = {"tags": {"ember.data": "inline"}}
@@ -224,7 +235,7 @@ class Study:
                             (("se", agg.se), ("ci_low", agg.ci_low), ("ci_high", agg.ci_high))
                             if math.isfinite(value)]
         if self.rows:
-            recorder.log_table(_columns(self.rows), "study/items.json")
+            self._write_items()
         key = [name for name in self.key if any(k[0] == name for k in aggregates)]
         for name in key:
             if name in self.series_names:
