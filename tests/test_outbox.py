@@ -198,7 +198,9 @@ def test_a_run_started_while_away_is_created_once_at_upload(tmp_path):
     assert runs[0].data.tags["k"] == "v" and runs[0].info.run_name == "started while away"
 
 
-def test_the_next_command_and_runs_upload_send_kept_records(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("next_command", ["a run", "ember runs upload"])
+def test_the_next_command_and_runs_upload_send_kept_records(tmp_path, monkeypatch, capsys, smollm2_path,
+                                                            next_command):
     uri, client = open_store(tmp_path / "outputs")
     experiment = client.create_experiment("away")
     monkeypatch.chdir(tmp_path)
@@ -211,10 +213,18 @@ def test_the_next_command_and_runs_upload_send_kept_records(tmp_path, monkeypatc
     store["tracking_uri"] = uri  # as if the store that was away were this one
     (folder / "store.json").write_text(json.dumps(store))
     capsys.readouterr()
-    assert cli.main(["runs", "upload"]) == 0
+    if next_command == "a run":  # an ordinary run on the store (its default one, outputs/mlflow.db)
+        from ember import run as runner
+
+        assert runner.main(["max_new_tokens=1", "threads=1", "mlflow.experiment_name=t_next"]) == 0
+        [next_run] = client.search_runs([client.get_experiment_by_name("t_next").experiment_id])
+        assert next_run.info.status == "FINISHED"
+    else:
+        assert cli.main(["runs", "upload"]) == 0
     err = capsys.readouterr().err
     assert f"ember: uploaded 2 record(s) of MLflow run {run_id} kept in {folder}" in err
     assert client.get_run(run_id).info.status == "FINISHED" and not folder.exists()
+    assert [m.value for m in client.get_metric_history(run_id, "m")] == [3.0], "stored once"
     assert cli.main(["runs", "upload"]) == 0
     assert capsys.readouterr().err.strip() == f"ember: no records waiting for {uri}"
 
@@ -254,6 +264,61 @@ def rest(base: str, path: str, body: dict | None = None, **query: str) -> dict:
                                      headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=30) as response:
         return json.loads(response.read())
+
+
+def runs_of(base: str, experiment_name: str) -> list[dict]:
+    experiment = rest(base, "experiments/get-by-name", experiment_name=experiment_name)["experiment"]
+    return rest(base, "runs/search", {"experiment_ids": [experiment["experiment_id"]]}).get("runs", [])
+
+
+@pytest.mark.slow
+def test_the_next_run_on_the_server_uploads_the_kept_records_once(tmp_path, smollm2_path):
+    """A run whose server went away mid-run kept its records (real refused requests to the server's
+    address); the next ordinary run, once that server is up, uploads them before its own work:
+    everything once, nothing left waiting."""
+    from mlflow.tracking import MlflowClient
+
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    work = tmp_path / "work"
+    kept_root = work / "outputs" / "mlflow-outbox"  # where `python -m ember.run` in `work` looks
+    # What reached the server before it went away: the run, a first metric (written into its database).
+    database = MlflowClient(f"sqlite:///{prepared_store(tmp_path / 'server')}")
+    experiment = database.create_experiment("t_kept", artifact_location="mlflow-artifacts:/t_kept")
+    run_id = database.create_run(experiment, run_name="kept while away").info.run_id
+    database.log_metric(run_id, "before", 1.0, step=0)
+    away = tracking.Tracker.attach(tracking.Store(base), experiment, outbox_root=kept_root)
+    away.log_metrics(run_id, [("series", float(i), i) for i in range(5)])
+    away.log_json(run_id, {"text": "kept"}, "generation.json")
+    away.end_run(run_id, tracking.FINISHED)
+    kept = kept_root / run_id
+    assert len((kept / "journal.jsonl").read_text().splitlines()) == 3, "metrics, artifact, end"
+
+    server = start_server(tmp_path, port)  # back, its store as it was
+    try:
+        command = ["-m", "ember.run", "max_new_tokens=2", f"mlflow.tracking_uri={base}",
+                   "mlflow.experiment_name=t_next"]
+        done = subprocess.run([sys.executable, *command], cwd=work, env=subprocess_env(), capture_output=True,
+                              text=True, timeout=600)
+        assert done.returncode == 0, done.stderr
+        assert f"ember: uploaded 3 record(s) of MLflow run {run_id} kept in {kept}" in done.stderr
+        assert not kept.exists()
+        run = rest(base, "runs/get", run_id=run_id)["run"]
+        assert run["info"]["status"] == "FINISHED"
+        for key, steps in (("before", [0]), ("series", [0, 1, 2, 3, 4])):
+            history = rest(base, "metrics/get-history", run_id=run_id, metric_key=key)["metrics"]
+            assert sorted(m["step"] for m in history) == steps, f"{key}: each value stored once"
+        query = urllib.parse.urlencode({"path": "generation.json", "run_uuid": run_id})
+        with urllib.request.urlopen(f"{base}/get-artifact?{query}", timeout=30) as response:
+            assert json.loads(response.read()) == {"text": "kept"}
+        assert len(runs_of(base, "t_kept")) == 1, "the kept run was not created again"
+        [next_run] = runs_of(base, "t_next")
+        assert next_run["info"]["status"] == "FINISHED", "the run itself went on as usual"
+        again = subprocess.run([sys.executable, "-m", "ember.cli", "runs", "upload", "--mlflow-uri", base],
+                               cwd=work, env=subprocess_env(), capture_output=True, text=True, timeout=600)
+        assert again.stderr.strip() == f"ember: no records waiting for {base}"
+    finally:
+        stop_server(server)
 
 
 @pytest.mark.slow
