@@ -26,6 +26,7 @@ os.environ.setdefault("MPLBACKEND", "Agg")
 
 import argparse
 import json
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -572,6 +573,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return EXIT_USAGE
+    # SIGTERM as Ctrl-C: an open run is closed as KILLED with what it has (as `ember run` does).
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         check_combination(args)
         check_options(args)
@@ -591,6 +594,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         say("interrupted")
         return EXIT_INTERRUPTED
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -127,10 +127,11 @@ def test_a_sigkilled_generate_keeps_its_text_and_the_next_command_closes_it(work
     assert artifact(workdir, run, "generation.txt").read_text() == record["text"]
 
 
-def test_ctrl_c_in_generate_closes_the_run_as_killed_with_the_text_shown(workdir, tmp_path):
-    out, err = stop_when_waiting(generate(workdir, tmp_path, "t_generate_ctrl_c", 3), tmp_path,
-                                 signal.SIGINT)
-    run = only_run(workdir, "t_generate_ctrl_c")
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_ctrl_c_or_sigterm_in_generate_closes_the_run_as_killed_with_the_text_shown(workdir, tmp_path, sig):
+    experiment = f"t_generate_{signal.Signals(sig).name}"
+    out, err = stop_when_waiting(generate(workdir, tmp_path, experiment, 3), tmp_path, sig)
+    run = only_run(workdir, experiment)
     assert run.info.status == "KILLED"
     assert err.strip().splitlines()[-2:] == [
         f"ember: recorded as MLflow run {run.info.run_id} (KILLED) in {store(workdir)}", "ember: interrupted"]
