@@ -117,7 +117,8 @@ class WaitToBeKilled(Experiment):
     """In the job whose `layer` is `victim`: at decode evaluation number `decode_step` (by then that many
     tokens were generated), writes this process's pid to `folder/pid` and waits (at most `wait_seconds`)
     to be killed from outside; a job started again after that (`folder/killed` exists) runs through.
-    Every other job runs through at once."""
+    Only the first job to get there waits (it claims `folder/claimed`), so with the defaults any one job
+    of a sweep can be the victim. Every other job runs through at once."""
 
     name = "wait_to_be_killed"
     may_write = False
@@ -137,8 +138,19 @@ class WaitToBeKilled(Experiment):
         if self.decodes < self.decode_step:
             return
         self.waits = False
-        if not (self.folder / "killed").exists():
+        if not (self.folder / "killed").exists() and claim(self.folder / "claimed"):
             wait_to_be_killed(self.folder, self.wait_seconds)
+
+
+def claim(path: Path) -> bool:
+    """True for the one process that creates `path` first, however many try at once."""
+    import os
+
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
 
 
 class WaitToBeKilledAtItem(Experiment):

@@ -132,6 +132,21 @@ def test_objective_mistakes_are_named():
         objective(metric="effect.kl_mean").evaluate({"tokens.generated": 2.0})
 
 
+def test_a_lost_job_of_the_shipped_search_is_a_failed_trial_not_a_value():
+    from hydra.core.utils import JobStatus
+
+    from hydra_plugins.ember_launchers.lost import EXIT_FAILED, WorkerLost, lost_job
+
+    search = OmegaConf.load(REPO / "conf" / "search" / "steering_flip.yaml")  # objective.value, no metric
+    lost = lost_job(3, ["experiments.0.scale=2.5"], search, "its Ray worker died: killed")
+    assert lost.status is JobStatus.FAILED  # what the Optuna sweeper records as TrialState.FAIL
+    with pytest.raises(WorkerLost, match="job #3: its Ray worker died: killed"):
+        lost.return_value  # noqa: B018 (the sweeper reads it so)
+    grid = OmegaConf.create({"layer": 1})
+    lost = lost_job(0, ["layer=1"], grid, "its Ray worker died: killed")
+    assert lost.status is JobStatus.COMPLETED and lost.return_value == EXIT_FAILED
+
+
 # ------------------------------------------------------------------------------------ refusals
 
 

@@ -24,18 +24,14 @@ from pathlib import Path
 from typing import Any
 
 from hydra.core.singleton import Singleton
-from hydra.core.utils import JobReturn, JobStatus, configure_log, filter_overrides, setup_globals
+from hydra.core.utils import JobReturn, configure_log, filter_overrides, setup_globals
 from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from hydra_plugins.ember_launchers.lost import lost_job
+
 log = logging.getLogger(__name__)
-
-EXIT_FAILED = 1  # ember.runs.execute.EXIT_FAILED: what a failed ember job returns
-
-
-class WorkerLost(RuntimeError):
-    """A job whose process died before it returned (its Ray worker was killed or its node lost)."""
 
 
 class EmberRayLauncher(Launcher):
@@ -80,7 +76,9 @@ class EmberRayLauncher(Launcher):
             try:
                 results.append(ray.get(task))
             except ray.exceptions.RayError as error:
-                results.append(_lost(number, overrides, job_config, error))
+                text = str(error).strip()
+                first_line = text.splitlines()[0] if text else type(error).__name__
+                results.append(lost_job(number, overrides, job_config, f"its Ray worker died: {first_line}"))
         return results
 
 
@@ -103,19 +101,3 @@ def _refused(error: Exception, init: Any) -> Exception:
                 "RAY_AUTH_TOKEN_PATH) with RAY_AUTH_MODE=token")
     return EmberError(f"could not join {where} ({reason}){hint}")
 
-
-def _lost(number: int, overrides: list[str], job_config: Any, error: Exception) -> JobReturn:
-    """The result of a job whose worker died. Under a search (an `objective` is set: the Optuna
-    sweeper reads the job's return value) the job failed; otherwise it returns exit status 1, as an
-    ember job that failed does, so the sweep goes on and names it at its end."""
-    text = str(error).strip()
-    first_line = text.splitlines()[0] if text else type(error).__name__
-    log.error(f"job #{number} ({' '.join(overrides)}): its Ray worker died: {first_line}")
-    result = JobReturn(overrides=overrides, hydra_cfg=job_config)
-    if OmegaConf.select(job_config, "objective.metric", default=None):
-        result.status = JobStatus.FAILED
-        result.return_value = WorkerLost(f"job #{number}: its Ray worker died: {first_line}")
-    else:
-        result.status = JobStatus.COMPLETED
-        result.return_value = EXIT_FAILED
-    return result
