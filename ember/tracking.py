@@ -81,6 +81,7 @@ def resolve_store(settings: MlflowSettings, base_dir: str | os.PathLike[str] | N
     uri = os.environ.get(SWEEP_STORE_ENV) if sweep_job else None
     uri = uri or settings.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
     if uri:
+        refuse_credentials(uri)
         return Store(uri)
     outputs = Path(base_dir or os.getcwd()).resolve() / "outputs"
     outputs.mkdir(parents=True, exist_ok=True)
@@ -142,9 +143,35 @@ class TrackingUnavailableError(EmberError):
     """The tracking server cannot be reached, or refuses ember, when a command starts."""
 
 
+class CredentialsInUriError(EmberError):
+    """A tracking URI with a user name or password in it."""
+
+
+def refuse_credentials(uri: str) -> None:
+    """Refuse a tracking URI with credentials in it (`http://user:pw@host`): ember records where its
+    records go (params, tags, the sweep's files, log lines), and credentials travel only in the
+    environment. The message shows the URI without them."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(uri)
+        web = parts.scheme in ("http", "https")
+        if not (parts.password is not None or (web and parts.username is not None)):
+            return
+    except ValueError:  # not a URL MLflow could use either: it says so itself
+        return
+    bare = parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl()
+    where = ("MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN)" if web
+             else "the database's own way (PGPASSWORD or ~/.pgpass for PostgreSQL)")
+    raise CredentialsInUriError(f"the tracking URI {bare} has credentials in it, which ember would record "
+                                f"with the runs: give the URI without them and the credentials in {where}")
+
+
 def check_reachable(tracking_uri: str, timeout: float = 5.0) -> None:
     """For an HTTP store: one quick request (no retries) before anything is loaded; a TrackingUnavailable
-    error naming the server, what happened and the way out. Other stores (SQLite, files) pass."""
+    error naming the server, what happened and the way out. Other stores (SQLite, files) pass. A URI
+    with credentials in it is refused first (`refuse_credentials`)."""
+    refuse_credentials(tracking_uri)
     if not tracking_uri.startswith(("http://", "https://")):
         return
     import base64

@@ -167,6 +167,39 @@ def test_a_refusal_is_one_line_without_the_credentials(monkeypatch):
     assert "EDIT permission" in tracking.describe_mlflow_error(denied, "http://x")
 
 
+@pytest.mark.parametrize("args, env", [
+    (["mlflow.tracking_uri=http://alice:s3cret-pass@127.0.0.1:5999"], {}),
+    (["-m", "layer=0,1", "mlflow.tracking_uri=http://alice:s3cret-pass@127.0.0.1:5999"], {}),
+    (["-m", "layer=0,1"], {"MLFLOW_TRACKING_URI": "http://alice:s3cret-pass@127.0.0.1:5999"}),
+])
+def test_a_tracking_uri_with_credentials_is_refused_before_anything_is_written(
+        tmp_path, monkeypatch, capsys, args, env):
+    monkeypatch.chdir(tmp_path)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert runner.main([*args, "max_new_tokens=1"]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines() == [
+        "ember: the tracking URI http://127.0.0.1:5999 has credentials in it, which ember would record with "
+        "the runs: give the URI without them and the credentials in MLFLOW_TRACKING_USERNAME and "
+        "MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN)"], err
+    assert list(tmp_path.iterdir()) == [], "no sweep folder, no store, no Hydra files"
+
+
+def test_every_store_a_job_records_to_is_checked_for_credentials(monkeypatch):
+    from ember.runconfig import MlflowSettings
+
+    settings = MlflowSettings(tracking_uri="postgresql://mlflow:pg-pass@db:5432/mlflow",
+                              experiment_name="e", enabled=True)
+    with pytest.raises(tracking.CredentialsInUriError, match="PGPASSWORD") as refused:
+        tracking.resolve_store(settings)
+    assert "pg-pass" not in str(refused.value) and "postgresql://db:5432/mlflow" in str(refused.value)
+    monkeypatch.setenv(tracking.SWEEP_STORE_ENV, "https://token@mlflow.example")  # handed to a sweep job
+    with pytest.raises(tracking.CredentialsInUriError, match="https://mlflow.example has credentials"):
+        tracking.resolve_store(MlflowSettings(None, "e", True), sweep_job=True)
+    assert tracking.resolve_store(MlflowSettings("postgresql://mlflow@db/mlflow", "e", True)).tracking_uri
+
+
 # ------------------------------------------------------------------------------------ tags
 
 
