@@ -36,9 +36,11 @@ from ember.errors import EmberError
 from ember.runs.execute import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, run_job, say
 from ember.runs.overrides import describe_hydra_error, preflight
 
-# conf/hydra/launcher/ray.yaml keeps the plugin's name `ray` on purpose (hydra/launcher=ray) and extends
-# its schema; Hydra warns about the name it shares with the plugin's own config on every composition.
-warnings.filterwarnings("ignore", message=r"\s*'hydra/launcher/ray' is validated against ConfigStore schema")
+# conf/hydra/launcher/{ray,submitit_local,submitit_slurm}.yaml keep the plugins' names on purpose
+# (hydra/launcher=ray) and extend their schemas; Hydra warns about the name each shares with the plugin's
+# own config on every composition.
+warnings.filterwarnings("ignore", message=r"\s*'hydra/launcher/(ray|submitit_local|submitit_slurm)' is "
+                        "validated against ConfigStore schema")
 
 # ------------------------------------------------------------------------------------ entry point
 
