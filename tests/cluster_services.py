@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -28,7 +29,7 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 LOOPBACK = "127.0.0.1"
@@ -99,6 +100,7 @@ class Postgres:
     port: int
     user: str
     password: str
+    pid: int = 0  # the process leading the server's session (see `service_processes`)
 
     def uri(self, database: str) -> str:
         """A SQLAlchemy URI without the password (it travels as PGPASSWORD)."""
@@ -152,7 +154,7 @@ def postgres(databases: tuple[str, ...] = ("mlflow", "mlflow_auth")) -> Iterator
         statements += [f"CREATE DATABASE {name} OWNER ember" for name in databases]
         for statement in statements:
             subprocess.run([*psql, "-c", statement], env=env, check=True, capture_output=True)
-        yield Postgres(port, "ember", password)
+        yield Postgres(port, "ember", password, server.pid)
     finally:
         _stop(server, signal.SIGINT)  # fast shutdown
         shutil.rmtree(root, ignore_errors=True)
@@ -169,6 +171,7 @@ class TrackingServer:
     user: tuple[str, str]
     artifacts: Path
     log: Path
+    pid: int = 0
 
     def credentials(self, user: tuple[str, str] | None = None) -> dict[str, str]:
         """The environment variables a job needs to log as `user` (default: the job user)."""
@@ -215,7 +218,7 @@ def tracking_server(db: Postgres, folder: Path, startup_seconds: float = 300) ->
             from mlflow.server.auth.client import AuthServiceClient
 
             AuthServiceClient(url).create_user(*user)
-        yield TrackingServer(url, admin, user, folder / "artifacts", log)
+        yield TrackingServer(url, admin, user, folder / "artifacts", log, server.pid)
     finally:
         _stop(server)
 
@@ -242,6 +245,8 @@ class RayHead:
     address: str
     token: str
     log: Path
+    pid: int = 0
+    ports: dict[str, int] = field(default_factory=dict)  # `ray start` option -> the port pinned
 
     def client_env(self) -> dict[str, str]:
         """What a driver needs to join this head (and nothing else: no ~/.ray token file)."""
@@ -277,7 +282,8 @@ def ray_head(cpus: int, folder: Path, env: dict[str, str] | None = None,
     temp = Path(tempfile.mkdtemp(prefix="ember-ray-"))  # short: Ray's socket paths must fit
     folder.mkdir(parents=True, exist_ok=True)
     log = folder / "ray-head.log"
-    options = [f"--{name}={port}" for name, port in _ray_ports().items()]
+    ports = _ray_ports()
+    options = [f"--{name}={port}" for name, port in ports.items()]
     ray = [sys.executable, "-m", "ray.scripts.scripts"]
     head = _start([*ray, "start", "--head", "--block", f"--port={gcs_port}", f"--num-cpus={cpus}",
                    "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp}", *options],
@@ -289,17 +295,33 @@ def ray_head(cpus: int, folder: Path, env: dict[str, str] | None = None,
             if head.poll() is not None or time.monotonic() > deadline:
                 raise ServiceError(f"the Ray head did not start:\n{_tail(log)}")
             time.sleep(0.5)
-        yield RayHead(address, token, log)
+        yield RayHead(address, token, log, head.pid, ports)
     finally:
         _stop(head, grace=15)
         shutil.rmtree(temp, ignore_errors=True)
 
 
+def service_processes(leader: int) -> set[int]:
+    """Every process of a service started by `_start`: its leader, all its descendants, and whatever
+    still runs in its session (a daemon that left the tree)."""
+    import psutil
+
+    found = {leader}
+    with contextlib.suppress(psutil.NoSuchProcess):
+        found |= {child.pid for child in psutil.Process(leader).children(recursive=True)}
+    for process in psutil.process_iter():
+        with contextlib.suppress(OSError):
+            if os.getsid(process.pid) == leader:
+                found.add(process.pid)
+    return found
+
+
 def listening_addresses(pids: set[int]) -> set[str]:
-    """Local addresses the given processes listen on (TCP), from `ss`."""
-    done = subprocess.run(["ss", "-Hltnp"], capture_output=True, text=True)
+    """Every local address:port the given processes listen on (TCP) or receive on (UDP), from `ss`."""
+    done = subprocess.run(["ss", "-Hltunp"], capture_output=True, text=True, check=True)
     found = set()
     for line in done.stdout.splitlines():
-        if any(f"pid={pid}," in line for pid in pids):
-            found.add(line.split()[3].rsplit(":", 1)[0])
+        owners = {int(pid) for pid in re.findall(r"pid=(\d+),", line)}
+        if owners & pids:
+            found.add(line.split()[4])  # netid, state, recv-q, send-q, local address:port, ...
     return found

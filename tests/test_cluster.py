@@ -18,8 +18,11 @@ from pathlib import Path
 import cluster_services as services
 import pytest
 
-try:
+try:  # the cluster extra (PostgreSQL itself: cluster_services.postgres fails without it)
+    import hydra_plugins.hydra_optuna_sweeper  # noqa: F401
     import hydra_plugins.hydra_ray_launcher  # noqa: F401
+    import hydra_plugins.hydra_submitit_launcher  # noqa: F401
+    import psycopg  # noqa: F401
     import ray  # noqa: F401
     MISSING = ""
 except ImportError as error:
@@ -42,9 +45,14 @@ def _cluster_extra():
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tracking")
-    with services.postgres() as db, services.tracking_server(db, folder) as tracking_server:
+def database():
+    with services.postgres() as db:
+        yield db
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, database):
+    with services.tracking_server(database, tmp_path_factory.mktemp("tracking")) as tracking_server:
         yield tracking_server
 
 
@@ -115,7 +123,7 @@ def test_ray_sweep_of_12_jobs_records_12_finished_children_under_one_parent(
     env = {**ray_head.client_env(), **server.credentials()}
     started = time.perf_counter()
     done = ember_run(tmp_path, "-m", "hydra/launcher=ray", "experiment=zero_layer",
-                     "layer=0,1,2,3,4,5,6,7,8,9,10,11", "max_new_tokens=2",
+                     "layer=0,1,2,3,4,5,6,7,8,9,10,11", "max_new_tokens=2", "intervention_effect=false",
                      f"mlflow.tracking_uri={server.url}", "mlflow.experiment_name=t_ray12", env=env)
     print(f"12-job Ray sweep: {time.perf_counter() - started:.1f} s")
     assert done.returncode == 0, done.stderr[-4000:]
@@ -159,25 +167,35 @@ def test_ray_sweep_of_12_jobs_records_12_finished_children_under_one_parent(
     assert_no_secret(server, [done.stdout, done.stderr, *sweep_files], [parent, *children])
 
 
+def victim(folder: Path, **params) -> str:
+    """A run_support.WaitToBeKilled entry of `experiments` (as Hydra override text)."""
+    extra = "".join(f",{key}:{value}" for key, value in params.items())
+    return f"{{_target_:run_support.WaitToBeKilled,folder:'{folder}'{extra}}}"
+
+
 def start_victim_sweep(tmp_path: Path, server, ray_head, experiment: str, retries: int):
     folder = tmp_path / "victim"
     folder.mkdir()
     env = {**ray_head.client_env(), **server.credentials()}
-    process = ember_run(
+    return kill_the_victim(tmp_path, folder, ember_run(
         tmp_path, "-m", "hydra/launcher=ray", f"hydra.launcher.ray.remote.max_retries={retries}",
-        f"experiments=[{{_target_:run_support.WaitToBeKilled,folder:'{folder}',layer:${{layer}},victim:2}}]",
+        f"experiments=[{victim(folder, layer='${layer}', victim=2)}]",
         "layer=0,1,2,3", "max_new_tokens=3", f"mlflow.tracking_uri={server.url}",
-        f"mlflow.experiment_name={experiment}", env=env, wait=False)
+        f"mlflow.experiment_name={experiment}", env=env, wait=False))
+
+
+def kill_the_victim(tmp_path: Path, folder: Path, process: subprocess.Popen):
+    """SIGKILL the job that wrote its pid to `folder/pid`, let the sweep end; (exit status, stderr, pid)."""
     deadline = time.monotonic() + 600
     while not (folder / "pid").exists():
         assert process.poll() is None, (tmp_path / "stderr").read_text()[-4000:]
         assert time.monotonic() < deadline, "the victim job never started"
         time.sleep(0.2)
-    victim = int((folder / "pid").read_text())
+    pid = int((folder / "pid").read_text())
     (folder / "killed").write_text("")
-    os.kill(victim, signal.SIGKILL)
+    os.kill(pid, signal.SIGKILL)
     process.wait(timeout=900)
-    return process.returncode, (tmp_path / "stderr").read_text(), victim
+    return process.returncode, (tmp_path / "stderr").read_text(), pid
 
 
 def test_a_killed_worker_leaves_its_run_killed_and_named_while_the_others_finish(
@@ -207,15 +225,55 @@ def test_a_job_whose_worker_was_killed_is_retried_as_a_new_child_run(
     assert parent.info.status == "FINISHED" and "job #2" in parent.data.tags["ember.sweep.retried_jobs"]
 
 
-def test_ray_keeps_every_address_on_loopback(ray_head):
-    gcs_port = int(ray_head.address.rsplit(":", 1)[1])
-    listening = subprocess.run(["ss", "-Hltnp"], capture_output=True, text=True).stdout.splitlines()
-    ray_lines = [line for line in listening if any(name in line for name in (
-        '"gcs_server"', '"raylet"', '"ray::'))]
-    assert any(f":{gcs_port} " in line for line in ray_lines)
-    for line in ray_lines:
-        local = line.split()[3]
-        assert local.startswith(("127.0.0.1:", "[::ffff:127.0.0.1]:")), line
+def test_every_service_the_tests_started_listens_on_loopback_only(database, server, ray_head):
+    """Every socket any process of PostgreSQL, the MLflow server or the Ray head listens or receives on:
+    GCS, raylet, its agents (with ray[default] also the dashboard agent's and metrics ports) and the
+    workers the sweeps above left running, wherever in the head's process tree or session."""
+    def loopback(address: str) -> bool:
+        return address.startswith(("127.0.0.1:", "[::ffff:127.0.0.1]:"))
+
+    def port(address: str) -> int:
+        return int(address.rsplit(":", 1)[1])
+
+    core_ray = [port(ray_head.address), ray_head.ports["node-manager-port"],
+                ray_head.ports["object-manager-port"]]
+    for name, leader, expected in (("PostgreSQL", database.pid, [database.port]),
+                                   ("mlflow server", server.pid, [port(server.url)]),
+                                   ("Ray", ray_head.pid, core_ray)):
+        addresses = services.listening_addresses(services.service_processes(leader))
+        assert set(expected) <= {port(a) for a in addresses}, (name, sorted(addresses))
+        assert all(loopback(a) for a in addresses), (name, sorted(addresses))
+
+
+def test_a_search_records_a_trial_whose_worker_died_as_failed_not_as_a_value(
+        tmp_path, server, ray_head, admin, smollm2_path):
+    folder = tmp_path / "victim"
+    folder.mkdir()
+    steering = "{name:steering,layers:${layer},scale:1.0}"  # conf/experiment/steering.yaml's, and a victim
+    code, err, pid = kill_the_victim(tmp_path, folder, ember_run(
+        tmp_path, "-m", "+search=steering_flip", "hydra/launcher=ray",
+        "hydra.launcher.ray.remote.max_retries=0", "hydra.sweeper.n_trials=2", "data.limit=1",
+        "max_new_tokens=2", f"experiments=[{steering},{victim(folder)}]",
+        f"mlflow.tracking_uri={server.url}", "mlflow.experiment_name=t_optuna_kill",
+        env={**ray_head.client_env(), **server.credentials()}, wait=False))
+    assert code == 1, err[-4000:]
+    parent, children = sweep_of(admin, "t_optuna_kill")
+    by_status = {c.info.status: c for c in children}
+    assert sorted(by_status) == ["FINISHED", "KILLED"]
+    assert by_status["KILLED"].data.tags["ember.pid"] == str(pid)
+    killed, finished = by_status["KILLED"].data.tags["ember.job"], by_status["FINISHED"]
+    # The sweeper recorded the dead trial as failed (Optuna's FAIL), not as a value (the exit status 1):
+    # the best value is the one finished trial's, whatever it is.
+    output = (tmp_path / "stdout").read_text() + err
+    assert f"Failed experiment: job #{killed}: its Ray worker died" in output, output[-4000:]
+    import yaml
+
+    results = yaml.safe_load(next(tmp_path.rglob("optimization_results.yaml")).read_text())
+    assert results["best_value"] == pytest.approx(finished.data.metrics["objective"])
+    assert parent.data.tags["ember.search.best_run_id"] == finished.info.run_id
+    failed = [line for line in err.splitlines() if line.startswith("  job #")]
+    assert len(failed) == 1 and failed[0].startswith(f"  job #{killed} (")
+    assert "killed: its process died" in failed[0]
 
 
 def test_the_ray_head_lets_in_only_its_token(tmp_path, ray_head):
@@ -246,6 +304,21 @@ def test_a_wrong_password_is_one_clear_line(tmp_path, server, ray_head):
     assert "sweep job" not in sweep.stderr, "no job starts"
 
 
+def test_a_tracking_uri_with_credentials_is_refused_and_nothing_is_recorded(tmp_path, server, admin):
+    name, password = server.user
+    with_credentials = server.url.replace("://", f"://{name}:{password}@")
+    done = ember_run(tmp_path, "-m", "layer=0,1", f"mlflow.tracking_uri={with_credentials}",
+                     "max_new_tokens=1", "mlflow.experiment_name=t_userinfo", env={}, timeout=300)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert [line for line in done.stderr.splitlines() if line.startswith("ember:")] == [
+        f"ember: the tracking URI {server.url} has credentials in it, which ember would record with the "
+        "runs: give the URI without them and the credentials in MLFLOW_TRACKING_USERNAME and "
+        "MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN)"], done.stderr[-3000:]
+    assert password not in done.stdout + done.stderr and "Traceback" not in done.stderr
+    assert admin.get_experiment_by_name("t_userinfo") is None
+    assert not (tmp_path / "outputs").exists(), "no sweep folder, no Hydra files"
+
+
 def test_a_model_path_missing_on_the_worker_names_the_node_and_the_path(tmp_path, server, ray_head):
     missing = tmp_path / "elsewhere" / "model.gguf"
     done = ember_run(tmp_path, "-m", "hydra/launcher=ray", "model=path", f"model.source={missing}",
@@ -262,7 +335,8 @@ def test_a_model_path_missing_on_the_worker_names_the_node_and_the_path(tmp_path
 
 def test_submitit_local_sweep_of_4_jobs(tmp_path, server, admin, smollm2_path):
     done = ember_run(tmp_path, "-m", "hydra/launcher=submitit_local", "experiment=zero_layer",
-                     "layer=0,1,2,3", "max_new_tokens=2", f"mlflow.tracking_uri={server.url}",
+                     "layer=0,1,2,3", "max_new_tokens=2", "intervention_effect=false",
+                     f"mlflow.tracking_uri={server.url}",
                      "mlflow.experiment_name=t_submitit", env=server.credentials())
     assert done.returncode == 0, done.stderr[-4000:]
     parent, children = sweep_of(admin, "t_submitit")
@@ -273,6 +347,29 @@ def test_submitit_local_sweep_of_4_jobs(tmp_path, server, admin, smollm2_path):
     assert len({t["ember.scheduler.job_id"] for t in tags}) == 4 and len({t["ember.pid"] for t in tags}) == 4
     cores = len(os.sched_getaffinity(0))
     assert {t["ember.threads"] for t in tags} == {str(max(1, cores // min(4, cores)))}
+
+
+def test_a_killed_submitit_job_is_named_and_closed_killed_while_the_others_finish(
+        tmp_path, server, admin, smollm2_path):
+    folder = tmp_path / "victim"
+    folder.mkdir()
+    code, err, pid = kill_the_victim(tmp_path, folder, ember_run(
+        tmp_path, "-m", "hydra/launcher=submitit_local",
+        f"experiments=[{victim(folder, layer='${layer}', victim=1)}]",
+        "layer=0,1,2,3", "max_new_tokens=3", f"mlflow.tracking_uri={server.url}",
+        "mlflow.experiment_name=t_submitit_kill", env=server.credentials(), wait=False))
+    assert code == 1, err[-4000:]
+    for wrong in ("launcher stopped", "the sweep itself", "Traceback"):  # what the plugin's launcher did
+        assert wrong not in err, err[-4000:]
+    failed = [line for line in err.splitlines() if line.startswith("  job #")]
+    assert len(failed) == 1 and failed[0].startswith("  job #1 (") and "layer=1" in failed[0], err[-4000:]
+    assert "killed: its process died without closing its run" in failed[0] and f"pid {pid}" in failed[0]
+    parent, children = sweep_of(admin, "t_submitit_kill")
+    statuses = {c.data.tags["ember.job"]: c.info.status for c in children}
+    assert statuses == {"0": "FINISHED", "1": "KILLED", "2": "FINISHED", "3": "FINISHED"}
+    assert parent.info.status == "FAILED" and "job #1" in parent.data.tags["ember.sweep.failed_jobs"]
+    assert children[1].data.tags["ember.pid"] == str(pid)
+    assert all(child.info.end_time <= parent.info.end_time for child in children), "all awaited"
 
 
 def test_optuna_search_of_6_trials_on_ray_tags_the_best_on_the_parent(
