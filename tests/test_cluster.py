@@ -64,9 +64,17 @@ def worker_cache(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def ray_head(tmp_path_factory, server, worker_cache):
-    """A Ray head with 2 CPUs whose workers log to the tracking server as its job user."""
+    """A Ray head with 2 CPUs whose workers log to the tracking server as its job user.
+
+    The workers fetch models into a cache of their own, but load the quantized kernels numba compiled
+    for this process (its JIT cache): compiling them again in a fresh cache costs each new worker
+    minutes on two busy cores, and says nothing about a sweep."""
+    from ember.sources import ember_cache_dir
+
     folder = tmp_path_factory.mktemp("ray")
-    env = {"PYTHONPATH": JOB_PATH, "EMBER_CACHE": str(worker_cache), **server.credentials()}
+    jit = os.environ.get("NUMBA_CACHE_DIR") or str(ember_cache_dir() / "jit")
+    env = {"PYTHONPATH": JOB_PATH, "EMBER_CACHE": str(worker_cache), "NUMBA_CACHE_DIR": jit,
+           **server.credentials()}
     with services.ray_head(2, folder, env=env) as head:
         yield head
 
