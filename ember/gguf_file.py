@@ -30,6 +30,8 @@ GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4  # GGML_MAX_DIMS
+MAX_KEY_BYTES = 65535  # the GGUF spec's limit on keys (also applied to tensor names): they appear in messages
+MAX_ARRAY_DEPTH = 8  # arrays of arrays of ...: real files nest at most once
 
 # struct format and NumPy dtype of each scalar metadata value type (GGUF is little-endian).
 _SCALAR_FORMATS: dict[int, str] = {
@@ -130,8 +132,11 @@ class _Cursor:
     def u64(self, what: str) -> int:
         return self.scalar("<Q", what)
 
-    def string(self, what: str) -> str:
+    def string(self, what: str, max_bytes: int | None = None) -> str:
         n = self.u64(f"length of {what}")
+        if max_bytes is not None and n > max_bytes:
+            raise GGUFError(f"{self.path}: truncated or corrupt GGUF file: {what} at byte {self.pos - 8} "
+                            f"is {n} bytes long (at most {max_bytes})")
         start = self.take(n, what)
         return _decode(self.buf[start : start + n])
 
@@ -233,7 +238,7 @@ class GGUFFile:
 
         metadata: dict[str, Any] = {}
         for i in range(n_kv):
-            key = cur.string(f"key of metadata entry {i}")
+            key = cur.string(f"key of metadata entry {i}", MAX_KEY_BYTES)
             vtype = cur.u32(f"value type of metadata key {key!r}")
             metadata[key] = _read_value(cur, vtype, key)
 
@@ -250,7 +255,7 @@ class GGUFFile:
 
         index: list[tuple[str, tuple[int, ...], GGMLQuantizationType, int]] = []
         for i in range(n_tensors):
-            name = cur.string(f"name of tensor {i}")
+            name = cur.string(f"name of tensor {i}", MAX_KEY_BYTES)
             n_dims = cur.u32(f"dimension count of tensor {name!r}")
             if n_dims > MAX_DIMS:
                 raise GGUFError(f"{path}: tensor {name!r} has {n_dims} dimensions (at most {MAX_DIMS})")
@@ -379,7 +384,7 @@ def _align(pos: int, alignment: int) -> int:
     return (pos + alignment - 1) // alignment * alignment
 
 
-def _read_value(cur: _Cursor, vtype: int, key: str) -> Any:
+def _read_value(cur: _Cursor, vtype: int, key: str, depth: int = 0) -> Any:
     """One metadata value: scalar → Python value, string → str, array → list[str] / 1-D ndarray / list."""
     if vtype == GGUFValueType.STRING:
         return cur.string(f"value of metadata key {key!r}")
@@ -406,7 +411,12 @@ def _read_value(cur: _Cursor, vtype: int, key: str) -> Any:
         arr.flags.writeable = False
         return arr
     if item_type == GGUFValueType.ARRAY:
-        return [_read_value(cur, GGUFValueType.ARRAY, f"{key}[{i}]") for i in range(count)]
+        if depth >= MAX_ARRAY_DEPTH:
+            raise GGUFError(f"{cur.path}: metadata array {key!r} nests arrays more than {MAX_ARRAY_DEPTH} "
+                            "deep")
+        if count * 12 > cur.size:  # each inner array takes at least 12 bytes
+            cur.take(count * 12, f"metadata array {key!r}")
+        return [_read_value(cur, GGUFValueType.ARRAY, f"{key}[{i}]", depth + 1) for i in range(count)]
     raise GGUFError(f"{cur.path}: unknown element type {item_type} in metadata array {key!r}")
 
 
