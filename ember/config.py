@@ -48,6 +48,9 @@ class ModelConfig:
     tied_embeddings: bool
 
 
+MAX_LAYERS_WITHOUT_TENSORS = 4096
+
+
 class MetadataReader:
     """Typed access to one architecture's metadata keys, with errors naming key and file."""
 
@@ -68,13 +71,41 @@ class MetadataReader:
         value = self.raw(key, default)
         if value is None:
             self.gguf.require(self._key(key))
-        return int(self._uniform(key, value))
+        try:
+            return int(self._uniform(key, value))
+        except (TypeError, ValueError, OverflowError):  # a string, NaN, inf: a corrupt file
+            raise GGUFError(f"{self.gguf.path}: metadata '{self._key(key)}' is {value!r:.80}, not an "
+                            "integer") from None
 
     def float(self, key: str, default: float | None = None) -> float:
         value = self.raw(key, default)
         if value is None:
             self.gguf.require(self._key(key))
-        return float(value)
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise GGUFError(f"{self.gguf.path}: metadata '{self._key(key)}' is {value!r:.80}, not a "
+                            "number") from None
+
+    def size(self, key: str) -> int:
+        """A count or width (layers, heads, embedding length): at least 1. A corrupt one sizes loops and
+        divisions (found by fuzzing: block_count 2**31 hung the load, head_count 0 divided by zero)."""
+        value = self.int(key)
+        if value < 1:
+            raise GGUFError(f"{self.gguf.path}: metadata '{self._key(key)}' is {value}; it must be at "
+                            "least 1")
+        return value
+
+    def layer_count(self) -> int:
+        """`block_count`: at most the file's tensor count (every layer has tensors), or
+        MAX_LAYERS_WITHOUT_TENSORS in a file of metadata only."""
+        value = self.size("block_count")
+        limit = len(self.gguf.tensors) or MAX_LAYERS_WITHOUT_TENSORS
+        if value > limit:
+            why = "the file's tensor count" if self.gguf.tensors else "for a file without tensors"
+            raise GGUFError(f"{self.gguf.path}: metadata '{self._key('block_count')}' is {value}; it must "
+                            f"be at most {limit} ({why})")
+        return value
 
     def int_per_layer(self, key: str, layer_count: int, default: int | None = None) -> tuple[int, ...]:
         """A key that is either one scalar or one value per layer."""

@@ -17,7 +17,7 @@ returns something whose `rows(ids, out)` decodes only the requested rows.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -84,6 +84,17 @@ class WeightStore:
     def has(self, name: str) -> bool:
         """Whether the file has a tensor called `name`."""
         return name in self.gguf.tensors
+
+    def check_shapes(self, expected: Mapping[str, tuple[int, ...]], source: str) -> None:
+        """Refuse tensors of the file whose shape is not the one its metadata (`source`) implies: the
+        kernels trust shapes, and a wrong one reads or writes past an array (found by fuzzing)."""
+        for name, shape in expected.items():
+            info = self.gguf.tensors.get(name)
+            if info is None:
+                continue  # a missing tensor is named when the family asks for it
+            if info.shape != shape or min(shape, default=1) < 1:
+                raise GGUFError(f"{self.gguf.path}: tensor {name!r} has shape {info.shape}, but {source} "
+                                f"implies {shape}: the file is corrupt")
 
     def matrix(self, name: str) -> Any:
         """A 2-D weight [out, in] the engine multiplies by (`ember.quant.multiply`)."""

@@ -31,6 +31,7 @@ import numpy as np
 from ember.config import MetadataReader, ModelConfig, RopeLayout
 from ember.errors import GGUFError
 from ember.experiments.context import ExecutionPhase, ModelFamily
+from ember.families import llama
 from ember.families.head import final_norm_and_logits, readout_logits
 from ember.families.workspace import Workspace
 from ember.gguf_file import GGUFFile
@@ -84,9 +85,9 @@ def sliding_pattern(meta: MetadataReader, layer_count: int, window: int) -> tupl
 
 def build_config(gguf: GGUFFile) -> Gemma3Config:
     meta = MetadataReader(gguf)
-    hidden_size = meta.int("embedding_length")
-    layer_count = meta.int("block_count")
-    head_count = meta.int("attention.head_count")
+    hidden_size = meta.size("embedding_length")
+    layer_count = meta.layer_count()
+    head_count = meta.size("attention.head_count")
     head_dim = meta.int("attention.key_length", hidden_size // head_count)
     value_dim = meta.int("attention.value_length", head_dim)
     if value_dim != head_dim:
@@ -163,6 +164,12 @@ class Weights:
 
 
 def load_weights(store: WeightStore, config: Gemma3Config) -> Weights:
+    shapes = llama.tensor_shapes(config)
+    for i in range(config.layer_count):
+        shapes[f"blk.{i}.post_attention_norm.weight"] = shapes[f"blk.{i}.post_ffw_norm.weight"] = (
+            config.hidden_size,)
+    store.check_shapes(shapes, llama.SHAPES_SOURCE)
+
     def fused(*names: str) -> Any:
         return store.stacked(names)
 

@@ -84,9 +84,9 @@ class Gemma4Config(ModelConfig):
 def build_config(gguf: GGUFFile) -> Gemma4Config:
     meta = MetadataReader(gguf)
     path = gguf.path
-    hidden_size = meta.int("embedding_length")
-    layer_count = meta.int("block_count")
-    head_count = meta.int("attention.head_count")
+    hidden_size = meta.size("embedding_length")
+    layer_count = meta.layer_count()
+    head_count = meta.size("attention.head_count")
 
     if meta.int("expert_count", 0) or "blk.0.ffn_gate_inp.weight" in gguf.tensors:
         raise GGUFError(f"{path}: this Gemma 4 file has mixture-of-experts layers (26B-A4B style), which "

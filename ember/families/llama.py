@@ -38,9 +38,9 @@ FAMILY_OF_ARCHITECTURE = {"llama": ModelFamily.LLAMA, "qwen3": ModelFamily.QWEN3
 def build_config(gguf: GGUFFile) -> ModelConfig:
     meta = MetadataReader(gguf)
     architecture = gguf.architecture
-    hidden_size = meta.int("embedding_length")
-    layer_count = meta.int("block_count")
-    head_count = meta.int("attention.head_count")
+    hidden_size = meta.size("embedding_length")
+    layer_count = meta.layer_count()
+    head_count = meta.size("attention.head_count")
     head_dim = meta.int("attention.key_length", hidden_size // head_count)
     value_dim = meta.int("attention.value_length", head_dim)
     if value_dim != head_dim:
@@ -109,7 +109,31 @@ class Weights:
     layers: list[LayerWeights]
 
 
+def tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The shape of every tensor a llama-style block uses, from the config (NumPy order: (out, in))."""
+    H, D, F = config.hidden_size, config.head_dim, config.feed_forward_length
+    q, kv = config.head_count * D, config.head_count_kv * D
+    shapes = {"token_embd.weight": (config.vocab_size, H), "output.weight": (config.vocab_size, H),
+              "output_norm.weight": (H,), "rope_freqs.weight": (config.rope_dim // 2,)}
+    for i in range(config.layer_count):
+        block = f"blk.{i}."
+        shapes.update({
+            block + "attn_norm.weight": (H,), block + "ffn_norm.weight": (H,),
+            block + "attn_q.weight": (q, H), block + "attn_k.weight": (kv, H),
+            block + "attn_v.weight": (kv, H), block + "attn_output.weight": (H, q),
+            block + "attn_q_norm.weight": (D,), block + "attn_k_norm.weight": (D,),
+            block + "ffn_gate.weight": (F, H), block + "ffn_up.weight": (F, H),
+            block + "ffn_down.weight": (H, F),
+        })
+    return shapes
+
+
+SHAPES_SOURCE = "the metadata (embedding_length, head counts, key_length, feed_forward_length, vocabulary)"
+
+
 def load_weights(store: WeightStore, config: ModelConfig) -> Weights:
+    store.check_shapes(tensor_shapes(config), SHAPES_SOURCE)
+
     def fused(*names: str) -> Any:
         # One weight instead of three (two): one call per layer in decode instead of three (two).
         return store.stacked(names)
