@@ -23,7 +23,8 @@ class SpecialSplitter:
     def __init__(self, vocab: Vocab) -> None:
         wanted = ATTR_CONTROL | ATTR_USER_DEFINED | ATTR_UNKNOWN
         candidates = [i for i, a in enumerate(vocab.attrs) if a & wanted]
-        candidates.sort(key=lambda i: (-len(vocab.tokens[i].encode("utf-8")), i))
+        # tokens hold invalid UTF-8 as surrogate escapes (vocab.py): their length is their bytes'
+        candidates.sort(key=lambda i: (-len(vocab.tokens[i].encode("utf-8", "surrogateescape")), i))
         self._order = {token: rank for rank, token in enumerate(candidates)}
         self._text = {i: vocab.tokens[i] for i in candidates}
         self._always = {i for i in candidates if not vocab.attrs[i] & (ATTR_CONTROL | ATTR_UNKNOWN)}
