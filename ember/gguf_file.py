@@ -32,6 +32,9 @@ DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4  # GGML_MAX_DIMS
 MAX_KEY_BYTES = 65535  # the GGUF spec's limit on keys (also applied to tensor names): they appear in messages
 MAX_ARRAY_DEPTH = 8  # arrays of arrays of ...: real files nest at most once
+# A string in an array (a token, a merge) longer than this is corruption: a shifted length field made the
+# parse decode garbage as hundreds of MB of "tokens" (7 s; found by fuzzing).
+MAX_ELEMENT_BYTES = 1 << 20
 
 # struct format and NumPy dtype of each scalar metadata value type (GGUF is little-endian).
 _SCALAR_FORMATS: dict[int, str] = {
@@ -146,21 +149,24 @@ class _Cursor:
         unpack = struct.Struct("<Q").unpack_from
         out: list[str] = []
         append = out.append
+        n = 0
         try:
             for _ in range(count):
                 (n,) = unpack(buf, pos)
                 pos += 8
                 end = pos + n
-                if end > size:
+                if end > size or n > MAX_ELEMENT_BYTES:
                     break
                 append(buf[pos:end].decode("utf-8", "surrogateescape"))  # as _decode, inlined
                 pos = end
         except struct.error:
             pass
         if len(out) != count:
+            problem = (f"is {n} bytes long (at most {MAX_ELEMENT_BYTES})" if n > MAX_ELEMENT_BYTES else
+                       f"runs past the end of the file ({size} bytes)")
             raise GGUFError(
                 f"{self.path}: truncated or corrupt GGUF file: element {len(out)} of {what} "
-                f"(starting at byte {pos}) runs past the end of the file ({size} bytes)"
+                f"(starting at byte {pos}) {problem}"
             )
         self.pos = pos
         return out
