@@ -148,6 +148,8 @@ def compose_check(overrides: list[str], config_dir: str, config_name: str) -> se
             plain = OmegaConf.to_container(OmegaConf.create(with_hydra), resolve=True)  # interpolations
     except (HydraException, OmegaConfBaseException) as error:
         raise ConfigError(describe_hydra_error(error, overrides)) from None
+    except ValueError as error:  # Hydra's own for a group given a number or a mapping: model=42
+        raise ConfigError(_not_an_option(overrides, config_dir) or str(error)) from None
     mlflow = plain.get("mlflow") if isinstance(plain, dict) else None
     if not isinstance(mlflow, dict) or mlflow.get("enabled") is not True:
         return set()
@@ -156,6 +158,25 @@ def compose_check(overrides: list[str], config_dir: str, config_name: str) -> se
 
 
 # ------------------------------------------------------------------------------------ messages
+
+
+def _not_an_option(overrides: Sequence[str], config_dir: str) -> str | None:
+    """`group=42` (found by fuzzing: Hydra raises a bare ValueError) as a line naming the options."""
+    from pathlib import Path
+
+    for override in parse_overrides(overrides):
+        value = override.value()
+        if isinstance(value, str | list) or override.is_delete():
+            continue
+        group = override.key_or_group
+        folder = Path(config_dir) / group
+        hydras = group.startswith("hydra/")  # Hydra's own options are not all in conf/
+        options = sorted(p.stem for p in folder.glob("*.yaml")) if folder.is_dir() and not hydras else []
+        if options or hydras:
+            allowed = f"; {group} takes one of: {', '.join(options)}" if options else ""
+            return f"{override.input_line}: a config group takes an option name, not {type(value).__name__}" \
+                   f" {value!r}{allowed}"
+    return None
 
 
 def _suggest(word: str, choices: Iterable[str]) -> str:
@@ -189,7 +210,7 @@ def describe_hydra_error(error: BaseException, overrides: Sequence[str] = ()) ->
         return f"+{key}=...: {key} is already in the config; set it without the +: {key}=..."
     if text.startswith("Could not override '"):
         key = text.split("'", 2)[1] if "'" in text else "?"
-        return unknown_key(key)
+        return unknown_key(getattr(cause, "full_key", None) or key)  # sampling={a:1}: sampling.a
     if text.startswith("Error merging override") and cause is not None:
         override = text[len("Error merging override "):].strip()
         reason = str(cause).splitlines()[0]
