@@ -31,7 +31,7 @@ import numpy as np
 from hydra.experimental.callback import Callback
 
 from ember import heartbeat, outbox
-from ember.errors import EmberError
+from ember.errors import ConfigError, EmberError
 from ember.runconfig import MlflowSettings
 
 log = logging.getLogger(__name__)
@@ -167,11 +167,33 @@ def refuse_credentials(uri: str) -> None:
                                 f"with the runs: give the URI without them and the credentials in {where}")
 
 
+# The stores MLflow 3 builds (mlflow.tracking._tracking_service.utils); plugins add theirs as entry points.
+_STORE_SCHEMES = {"", "file", "sqlite", "http", "https", "postgresql", "mysql", "mssql", "databricks",
+                  "databricks-uc", "uc"}
+
+
+def check_scheme(tracking_uri: str) -> None:
+    """A URI whose scheme no MLflow store takes is a ConfigError before anything loads (found by fuzzing:
+    mlflow.tracking_uri=bogus://x failed only when the run started, after the model was loaded)."""
+    from importlib.metadata import entry_points
+    from urllib.parse import urlparse
+
+    scheme = urlparse(tracking_uri).scheme.lower().split("+")[0]  # postgresql+psycopg2://
+    if len(scheme) <= 1 or scheme in _STORE_SCHEMES:  # a path (C:\... parses as scheme "c")
+        return
+    if scheme in {e.name for e in entry_points(group="mlflow.tracking_store")}:
+        return
+    raise ConfigError(f"MLflow has no tracking store for {tracking_uri!r} (scheme {scheme}://): give a "
+                      "path, sqlite:///..., http(s)://... or a database URI in mlflow.tracking_uri "
+                      "(ember commands: --mlflow-uri)")
+
+
 def check_reachable(tracking_uri: str, timeout: float = 5.0) -> None:
     """For an HTTP store: one quick request (no retries) before anything is loaded; a TrackingUnavailable
     error naming the server, what happened and the way out. Other stores (SQLite, files) pass. A URI
     with credentials in it is refused first (`refuse_credentials`)."""
     refuse_credentials(tracking_uri)
+    check_scheme(tracking_uri)
     if not tracking_uri.startswith(("http://", "https://")):
         return
     import base64
