@@ -55,6 +55,12 @@ def read_command_line(argv: Sequence[str]) -> CommandLine:
         args = _parser().parse_args(list(argv))
     except _ArgumentError as error:
         raise ConfigError(f"{error} (python -m ember.run --help shows the options)") from None
+    modes = [flag for flag, given in (("--run", args.run), ("-m/--multirun", args.multirun),
+                                      ("--cfg", args.cfg), ("--info", args.info),
+                                      ("--shell-completion", args.shell_completion)) if given]
+    if len(modes) > 1:
+        raise ConfigError(f"{' and '.join(modes)} do not go together: give one of --run, -m, --cfg, --info "
+                          "(python -m ember.run --help shows the options)")
     composes = not (args.help or args.hydra_help or args.shell_completion or args.config_path
                     or args.config_name or args.config_dir or args.experimental_rerun)
     return CommandLine(tuple(args.overrides), bool(args.multirun), composes)
