@@ -295,7 +295,7 @@ HYDRA_MISTAKES = [
     (["--bogus"], "unrecognized arguments: --bogus"),
     (["-m", "layer=0,1", "experiment=none,zero_layr"], "experiment=zero_layr: no such option"),
     (["max_new_tokens=-1"], "max_new_tokens must be at least 0, got -1"),
-    (["-m", "layer=0,1", "--cfg", "hydra"], "-m/--multirun and --cfg do not go together"),
+    (["-m", "--cfg", "hydra", "layer=0,1"], "-m/--multirun and --cfg do not go together"),
 ]
 
 
