@@ -188,12 +188,45 @@ def check_scheme(tracking_uri: str) -> None:
                       "(ember commands: --mlflow-uri)")
 
 
+_DATABASE_SCHEMES = ("postgresql", "mysql", "mssql")
+
+
+def _check_database(tracking_uri: str, timeout: float) -> None:
+    """A database store (PostgreSQL, MySQL, SQL Server): its driver importable and one connection made,
+    or a TrackingUnavailable error in one line (the password, if any, comes from the environment)."""
+    import sqlalchemy
+
+    try:
+        engine = sqlalchemy.create_engine(tracking_uri, connect_args=(
+            {"connect_timeout": int(max(1, timeout))} if tracking_uri.startswith(("postgresql", "mysql"))
+            else {}))
+    except ModuleNotFoundError as error:
+        raise TrackingUnavailableError(
+            f"the MLflow store {tracking_uri} needs the database driver {error.name!r}, which is not "
+            "installed (pip install it, or pip install -e '.[cluster]' for PostgreSQL)") from None
+    except Exception as error:  # noqa: BLE001 - SQLAlchemy's errors for a URI it cannot read
+        raise ConfigError(f"cannot read the database URI {tracking_uri!r}: {error}") from None
+    try:
+        with engine.connect():
+            pass
+    except Exception as error:  # noqa: BLE001 - OperationalError and the drivers' own
+        reason = str(getattr(error, "orig", error)).strip().splitlines()[0]
+        raise TrackingUnavailableError(
+            f"the MLflow store {tracking_uri} is not reachable ({reason}); start the database, record "
+            "elsewhere with mlflow.tracking_uri=... (ember commands: --mlflow-uri), or record nothing with "
+            "mlflow=off (--no-mlflow)") from None
+    finally:
+        engine.dispose()
+
+
 def check_reachable(tracking_uri: str, timeout: float = 5.0) -> None:
     """For an HTTP store: one quick request (no retries) before anything is loaded; a TrackingUnavailable
     error naming the server, what happened and the way out. Other stores (SQLite, files) pass. A URI
     with credentials in it is refused first (`refuse_credentials`)."""
     refuse_credentials(tracking_uri)
     check_scheme(tracking_uri)
+    if tracking_uri.startswith(_DATABASE_SCHEMES):
+        _check_database(tracking_uri, timeout)
     if not tracking_uri.startswith(("http://", "https://")):
         return
     import base64

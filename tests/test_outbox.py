@@ -5,6 +5,7 @@ starts and kills a real `mlflow server`."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -85,6 +86,25 @@ def test_a_server_away_at_start_is_one_line_and_exit_2_before_loading(tmp_path, 
     assert "loading" not in done.stderr and done.stdout == ""
     assert not (tmp_path / "outputs" / "multirun").exists(), "no sweep was started"
     print(f"{command[1]} {command[2]}: refused in {time.monotonic() - started:.1f} s")
+
+
+@pytest.mark.parametrize(("scheme", "expected"), [
+    ("postgresql+pg8000", "the MLflow store {uri} needs the database driver 'pg8000'"),  # not installed
+    ("postgresql+nosuchdriver", "cannot read the database URI '{uri}'"),  # no such SQLAlchemy driver
+    ("postgresql", "the MLflow store {uri} is not reachable (connection failed"),  # psycopg, no server
+])
+def test_a_database_store_away_at_start_is_one_line_and_exit_2(tmp_path, scheme, expected):
+    if scheme == "postgresql":
+        pytest.importorskip("psycopg", reason="the cluster extra's PostgreSQL driver")
+    if scheme == "postgresql+pg8000" and importlib.util.find_spec("pg8000") is not None:
+        pytest.skip("pg8000 is installed here")
+    uri = f"{scheme}://ember@127.0.0.1:{closed_port()}/mlflow"
+    expected = expected.format(uri=uri)
+    done = subprocess.run([sys.executable, "-m", "ember.run", f"mlflow.tracking_uri={uri}"], cwd=tmp_path,
+                          env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith(f"ember: {expected}"), done.stderr
+    assert "loading" not in done.stderr and not (tmp_path / "outputs").exists()
 
 
 def test_a_server_refusing_credentials_is_named(tmp_path):
