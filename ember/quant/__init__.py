@@ -68,3 +68,26 @@ def compute_threads(threads: int) -> Iterator[None]:
             _kernel_threads = saved
             if numba is not None and previous is not None:
                 numba.set_num_threads(previous)
+
+
+@cache
+def _blas_libraries() -> tuple:
+    from threadpoolctl import ThreadpoolController
+
+    return tuple(lib for lib in ThreadpoolController().lib_controllers if lib.user_api == "blas")
+
+
+@contextmanager
+def single_threaded_blas() -> Iterator[None]:
+    """BLAS on one thread inside the block, restored after: each thread that calls it then multiplies in
+    its own thread (prefill's tiles). A direct call into the BLAS library, a few microseconds (a
+    `threadpool_limits` takes 10-30)."""
+    libraries = _blas_libraries()
+    previous = [lib.num_threads for lib in libraries]
+    for lib in libraries:
+        lib.set_num_threads(1)
+    try:
+        yield
+    finally:
+        for lib, threads in zip(libraries, previous, strict=True):
+            lib.set_num_threads(threads)

@@ -7,31 +7,75 @@ parts may have different block types) without copying any.
 
 How `matmul` multiplies, by the number of activation rows T:
 
-* T = 1 (decode): `kernels.matvec` decodes each weight row and multiplies it by x, straight from the
-  blocks.
-* more rows (prefill): a tile of at most `TILE_VALUES` weights is decoded into reused scratch memory and
-  multiplied by BLAS (`numpy.matmul`), tile after tile: the decoded values are gguf-py's, so the
-  products are the float32 path's up to BLAS's summation order. Even at T = 2 this costs one decoding
-  of W, as a matrix-vector product does.
+* T = 1 (decode): `kernels.matvec` multiplies each weight row by x straight from its blocks.
+* T < `SMALL_BATCH` (short prompts, the evaluations of a study): `kernels.matmul_rows` decodes each
+  weight row once and multiplies it by every row of x, the rows shared out among the threads.
+* more rows (prefill): W is cut into tiles of consecutive rows, a tile's size fixed by W's shape alone.
+  Each of `threads` threads takes tiles in turn, decodes one into its own reused scratch
+  (`kernels.dequantize_tile`, values bit-identical to gguf-py's) and multiplies it by single-threaded
+  BLAS (`numpy.matmul`): the products are the float32 path's up to BLAS's summation order, and the
+  same whatever the thread count (each output element comes from the same tile product).
+
+Why not numba's parallel decoder followed by multi-threaded BLAS, as before: both thread pools
+busy-wait after their work (OpenMP's spin, OpenBLAS's thread timeout) and on 2 cores each takes the
+other's core. Measured on SmolLM2, 2 threads: prefill 66 tokens/s at 128 and 215 at 512 that way (see
+benchmarks/README.md for this layout's figures).
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from ember.ops import linear
-from ember.quant import kernel_threads, kernels
+from ember.quant import kernel_threads, kernels, single_threaded_blas
 
-# A prefill tile: 4 M float32 weights (16 MB). Large enough that BLAS runs at full speed on each tile,
-# small enough that even Llama-3.1-8B's 28672-row gate/up projection never needs its 470 MB float32
-# form at once.
-TILE_VALUES = 1 << 22
+# A prefill tile holds at most TILE_VALUES weights (4 MB as float32: each thread's scratch) and, where W
+# has the rows, at least MIN_TILE_ROWS rows (BLAS is slow on narrow products), and W is cut into at
+# least MIN_TILES tiles so that 2 to 4 threads share it evenly.
+TILE_VALUES = 1 << 20
+MIN_TILE_ROWS = 64
+MIN_TILES = 4
+# Below this many activation rows `kernels.matmul_rows` multiplies; from it on, tiles and BLAS.
+SMALL_BATCH = 16
 HALF = 16  # handed to the kernels at run time (see kernels._decode)
 
 _scratch = threading.local()
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def tile_rows(rows: int, columns: int) -> int:
+    """The rows of one prefill tile of a [rows, columns] matrix: a multiple of 16, by shape alone."""
+    by_count = -(-rows // MIN_TILES)
+    by_size = max(MIN_TILE_ROWS, TILE_VALUES // columns)
+    return max(16, min(by_size, max(by_count, MIN_TILE_ROWS)) // 16 * 16)
+
+
+def _prefill_pool(threads: int) -> ThreadPoolExecutor:
+    """The threads prefill's tiles are shared among (kept: starting threads for each product costs more
+    than the product of a short prompt)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool._max_workers != threads:
+            if _pool is not None:
+                _pool.shutdown(wait=False)
+            _pool = ThreadPoolExecutor(threads, thread_name_prefix="ember-prefill")
+        return _pool
+
+
+def _small_batch(types: np.ndarray, parts: tuple, offsets: np.ndarray, x: np.ndarray,
+                 out: np.ndarray) -> np.ndarray:
+    """`kernels.matmul_rows` on contiguous operands (one compiled variant; the copies are a few rows)."""
+    contiguous = out if out.flags.c_contiguous else np.empty(out.shape, np.float32)
+    kernels.matmul_rows(types, parts, offsets, np.ascontiguousarray(x), contiguous, kernels.F16_TABLE,
+                        kernel_threads(), HALF)
+    if contiguous is not out:
+        out[...] = contiguous
+    return out
 
 
 def _tile_buffer(values: int) -> np.ndarray:
@@ -70,16 +114,39 @@ class QuantizedMatrix:
         if x.shape[0] == 1:
             kernels.matvec(self._types, (self.data,), self._offsets, x[0], out[0], kernels.F16_TABLE,
                            kernel_threads())
-            return out
-        rows, columns = self.shape
-        tile_rows = max(1, min(rows, TILE_VALUES // columns))
-        buffer = _tile_buffer(tile_rows * columns)
-        for first in range(0, rows, tile_rows):
-            count = min(tile_rows, rows - first)
-            tile = buffer[: count * columns].reshape(count, columns)
-            kernels.dequantize_range(self.ggml_type, self.data, first, tile, kernels.F16_TABLE, HALF)
-            np.matmul(x, tile.T, out=out[:, first:first + count])
+        elif x.shape[0] < SMALL_BATCH:
+            _small_batch(self._types, (self.data,), self._offsets, x, out)
+        else:
+            self._tiled_matmul(x, out)
         return out
+
+    def _tiled_matmul(self, x: np.ndarray, out: np.ndarray) -> None:
+        rows, columns = self.shape
+        step = tile_rows(rows, columns)
+        firsts = iter(range(0, rows, step))
+        lock = threading.Lock()
+
+        def work() -> None:  # one thread: the next tile not yet taken, until none is left
+            buffer = _tile_buffer(step * columns)
+            while True:
+                with lock:
+                    first = next(firsts, None)
+                if first is None:
+                    return
+                count = min(step, rows - first)
+                tile = buffer[: count * columns].reshape(count, columns)
+                kernels.dequantize_tile(self.ggml_type, self.data, first, tile, kernels.F16_TABLE, HALF)
+                np.matmul(x, tile.T, out=out[:, first:first + count])
+
+        threads = min(kernel_threads(), -(-rows // step))
+        with single_threaded_blas():
+            if threads == 1:
+                work()
+                return
+            helpers = [_prefill_pool(threads - 1).submit(work) for _ in range(threads - 1)]
+            work()
+            for helper in helpers:
+                helper.result()
 
     def rows(self, ids: np.ndarray, out: np.ndarray) -> np.ndarray:
         """out[i] = row ids[i], decoded (ids must be valid row numbers)."""
@@ -120,6 +187,8 @@ class StackedMatrix:
             kernels.matvec(self._types, self._data, self._offsets, x[0], out[0], kernels.F16_TABLE,
                            kernel_threads())
             return out
+        if x.shape[0] < SMALL_BATCH and self._quantized:
+            return _small_batch(self._types, self._data, self._offsets, x, out)
         for part, start, stop in zip(self.parts, self.offsets, self.offsets[1:], strict=False):
             linear(x, part, out[:, start:stop])
         return out
@@ -132,10 +201,14 @@ def warm_up() -> None:
     on 2 cores; a cached load takes a fraction of a second."""
     data = np.zeros((1, 34), np.uint8)  # one Q8_0 block
     data.flags.writeable = False
-    x = np.zeros(32, np.float32)
-    out = np.zeros((1, 32), np.float32)
+    x = np.zeros((2, 32), np.float32)
     for parts in ((data,), (data, data), (data, data, data)):  # one matrix, gate/up, Q/K/V
         types = np.full(len(parts), kernels.Q8_0, np.int64)
-        kernels.matvec(types, parts, np.arange(len(parts) + 1), x, out[0], kernels.F16_TABLE, 1)
-    kernels.dequantize_range(kernels.Q8_0, data, 0, out, kernels.F16_TABLE, HALF)
-    kernels.dequantize_rows(kernels.Q8_0, data, np.zeros(1, np.int64), out, kernels.F16_TABLE, HALF)
+        offsets = np.arange(len(parts) + 1)
+        out = np.zeros((2, len(parts)), np.float32)
+        kernels.matvec(types, parts, offsets, x[0], out[0], kernels.F16_TABLE, 1)
+        kernels.matmul_rows(types, parts, offsets, x, out, kernels.F16_TABLE, 1, HALF)
+    tile = np.zeros((1, 32), np.float32)
+    kernels.dequantize_range(kernels.Q8_0, data, 0, tile, kernels.F16_TABLE, HALF)
+    kernels.dequantize_tile(kernels.Q8_0, data, 0, tile, kernels.F16_TABLE, HALF)
+    kernels.dequantize_rows(kernels.Q8_0, data, np.zeros(1, np.int64), tile, kernels.F16_TABLE, HALF)
