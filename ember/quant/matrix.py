@@ -212,3 +212,8 @@ def warm_up() -> None:
     kernels.dequantize_range(kernels.Q8_0, data, 0, tile, kernels.F16_TABLE, HALF)
     kernels.dequantize_tile(kernels.Q8_0, data, 0, tile, kernels.F16_TABLE, HALF)
     kernels.dequantize_rows(kernels.Q8_0, data, np.zeros(1, np.int64), tile, kernels.F16_TABLE, HALF)
+    from ember import ops
+    from ember.quant import token_ops
+
+    token_ops.warm_up()
+    ops.use_token_ops(token_ops)

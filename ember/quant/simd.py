@@ -1,9 +1,12 @@
 """16-lane vector primitives for the matrix-vector kernels, written as LLVM IR (numba intrinsics).
 
 Each primitive takes 16 quantized values from a row's bytes, turns them into float32 lanes and adds
-`scale · value · x` to the 16 float32 accumulators `acc[0:16]`:
+`scale · value · x` to 16 float32 accumulators `acc[acc_at : acc_at+16]`:
 
-    acc[i] += scale · q[i] · x[x_at + i]        for i in 0…15
+    acc[acc_at + i] += scale · q[i] · x[x_at + i]        for i in 0…15
+
+The callers spread consecutive primitives over several such banks (`kernels.ACC_LANES`), so that
+each addition does not wait for the one before it (one bank: a chain of dependent adds per row).
 
 Why IR and not numba loops: LLVM vectorizes numba's loops over a 16- or 32-value block poorly (it
 unrolls constant trip counts into scalar code, and checks for aliasing at run time on every block).
