@@ -7,9 +7,11 @@ fused multiply-add), so they equal gguf-py's dequantization bit for bit (tests/t
 
 The drivers dispatch on the type once per row segment:
 
-* `dequantize_rows(qtype, data, row_ids, out)`: whole rows (embedding rows, prefill tiles).
+* `dequantize_rows(qtype, data, row_ids, out)` and `dequantize_tile(qtype, data, first_row, out)`: whole
+  rows (embedding rows; prefill tiles).
 * `matvec(qtypes, parts, offsets, x, out, ...)`: out[r] = Σ_c W[r, c] · x[c] (decode), W one matrix or
   several stacked, multiplied straight from the blocks with the 16-lane primitives of `simd.py`.
+* `matmul_rows(...)`: the same for a few rows of x (short prompts): each weight row decoded once.
 
 The decoders serve prefill (tiles for BLAS) and embedding lookups; decode's products do not decode
 rows into memory first: with the primitives they ran 2.5–4× faster than decoding a row and dotting it.
@@ -287,28 +289,21 @@ def _decode(qtype, src, first, blocks, dst, table, half):
         _decode_f32(src, first, blocks, dst, table, 0)
 
 
-@njit(parallel=True, fastmath=EXACT, cache=True)
+@njit(nogil=True, fastmath=EXACT, cache=True)
 def dequantize_rows(qtype, data, row_ids, out, table, half):
-    """out[i] = row row_ids[i] of the encoded matrix `data` ([rows, bytes per row] uint8)."""
+    """out[i] = row row_ids[i] of the encoded matrix `data` ([rows, bytes per row] uint8): embedding
+    lookups, a few rows at a time."""
     block = block_values(qtype)
     blocks = out.shape[1] // block
-    for i in prange(row_ids.shape[0]):
+    for i in range(row_ids.shape[0]):
         _decode(qtype, data[row_ids[i]], 0, blocks, out[i], table, half)
-
-
-@njit(parallel=True, fastmath=EXACT, cache=True)
-def dequantize_range(qtype, data, first_row, out, table, half):
-    """out[i] = row first_row + i of `data`, for every row of out (a tile of consecutive rows)."""
-    block = block_values(qtype)
-    blocks = out.shape[1] // block
-    for i in prange(out.shape[0]):
-        _decode(qtype, data[first_row + i], 0, blocks, out[i], table, half)
 
 
 @njit(nogil=True, fastmath=EXACT, cache=True)
 def dequantize_tile(qtype, data, first_row, out, table, half):
-    """As `dequantize_range`, in the calling thread only, without the GIL: prefill's threads each decode
-    their own tiles at once (`matrix.QuantizedMatrix.matmul`)."""
+    """out[i] = row first_row + i of `data`, for every row of out (a tile of consecutive rows), in the
+    calling thread, without the GIL: prefill's threads each decode their own tiles at once
+    (`matrix.QuantizedMatrix.matmul`)."""
     block = block_values(qtype)
     blocks = out.shape[1] // block
     for i in range(out.shape[0]):

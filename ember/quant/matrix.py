@@ -42,6 +42,9 @@ MIN_TILES = 4
 # Below this many activation rows `kernels.matmul_rows` multiplies; from it on, tiles and BLAS.
 SMALL_BATCH = 16
 HALF = 16  # handed to the kernels at run time (see kernels._decode)
+# The kernels take the parts of a stacked weight as a tuple of exactly this many (padded with empty
+# parts): numba compiles a function once per tuple length, ~30 s each on 2 cores.
+KERNEL_PARTS = 3
 
 _scratch = threading.local()
 _pool: ThreadPoolExecutor | None = None
@@ -67,12 +70,39 @@ def _prefill_pool(threads: int) -> ThreadPoolExecutor:
         return _pool
 
 
-def _small_batch(types: np.ndarray, parts: tuple, offsets: np.ndarray, x: np.ndarray,
-                 out: np.ndarray) -> np.ndarray:
+KernelGroup = tuple[np.ndarray, tuple[np.ndarray, ...], np.ndarray]
+
+
+def kernel_groups(parts: Sequence[QuantizedMatrix]) -> list[KernelGroup]:
+    """The (types, parts, row offsets) triples the kernels take for matrices stacked along their rows:
+    KERNEL_PARTS parts a call, the last call padded with empty parts; offsets count the whole stack's
+    rows, so each call writes its own columns of the output."""
+    groups = []
+    first = 0
+    for start in range(0, len(parts), KERNEL_PARTS):
+        chunk = list(parts[start:start + KERNEL_PARTS])
+        offsets = np.cumsum([first] + [part.shape[0] for part in chunk]).tolist()
+        first = offsets[-1]
+        padding = KERNEL_PARTS - len(chunk)
+        types = np.array([part.ggml_type for part in chunk] + [chunk[-1].ggml_type] * padding, np.int64)
+        data = tuple(part.data for part in chunk) + (chunk[-1].data,) * padding
+        groups.append((types, data, np.array(offsets + [offsets[-1]] * padding, np.int64)))
+    return groups
+
+
+def _matvec(groups: list[KernelGroup], x: np.ndarray, out: np.ndarray) -> np.ndarray:
+    for types, parts, offsets in groups:
+        kernels.matvec(types, parts, offsets, x[0], out[0], kernels.F16_TABLE, kernel_threads())
+    return out
+
+
+def _small_batch(groups: list[KernelGroup], x: np.ndarray, out: np.ndarray) -> np.ndarray:
     """`kernels.matmul_rows` on contiguous operands (one compiled variant; the copies are a few rows)."""
     contiguous = out if out.flags.c_contiguous else np.empty(out.shape, np.float32)
-    kernels.matmul_rows(types, parts, offsets, np.ascontiguousarray(x), contiguous, kernels.F16_TABLE,
-                        kernel_threads(), HALF)
+    rows = np.ascontiguousarray(x)
+    for types, parts, offsets in groups:
+        kernels.matmul_rows(types, parts, offsets, rows, contiguous, kernels.F16_TABLE, kernel_threads(),
+                            HALF)
     if contiguous is not out:
         out[...] = contiguous
     return out
@@ -96,11 +126,11 @@ class QuantizedMatrix:
 
     def __init__(self, name: str, data: np.ndarray, ggml_type: int, shape: tuple[int, int]) -> None:
         self.name = name
-        self.data = data
+        self.data = data.view()
+        self.data.flags.writeable = False  # the mapped file's type: one compiled variant of each kernel
         self.ggml_type = int(ggml_type)
         self.shape = shape
-        self._types = np.array([self.ggml_type], np.int64)
-        self._offsets = np.array([0, shape[0]], np.int64)
+        self._groups = kernel_groups([self])
 
     def __repr__(self) -> str:
         return f"QuantizedMatrix({self.name!r}, type {self.ggml_type}, shape {self.shape})"
@@ -112,10 +142,9 @@ class QuantizedMatrix:
     def matmul(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
         """out = x @ Wᵀ for x [T, columns]; out [T, rows] may be a column slice of a wider buffer."""
         if x.shape[0] == 1:
-            kernels.matvec(self._types, (self.data,), self._offsets, x[0], out[0], kernels.F16_TABLE,
-                           kernel_threads())
+            _matvec(self._groups, x, out)
         elif x.shape[0] < SMALL_BATCH:
-            _small_batch(self._types, (self.data,), self._offsets, x, out)
+            _small_batch(self._groups, x, out)
         else:
             self._tiled_matmul(x, out)
         return out
@@ -156,7 +185,7 @@ class QuantizedMatrix:
     def dequantize(self) -> np.ndarray:
         """The whole matrix as a new float32 array."""
         out = np.empty(self.shape, np.float32)
-        kernels.dequantize_range(self.ggml_type, self.data, 0, out, kernels.F16_TABLE, HALF)
+        kernels.dequantize_tile(self.ggml_type, self.data, 0, out, kernels.F16_TABLE, HALF)
         return out
 
 
@@ -174,9 +203,7 @@ class StackedMatrix:
         # decode multiplies every part in one kernel call when none of them is a float32 array
         self._quantized = all(isinstance(part, QuantizedMatrix) for part in self.parts)
         if self._quantized:
-            self._types = np.array([part.ggml_type for part in self.parts], np.int64)
-            self._data = tuple(part.data for part in self.parts)
-            self._offsets = np.array(self.offsets, np.int64)
+            self._groups = kernel_groups(self.parts)
 
     @property
     def nbytes(self) -> int:
@@ -184,11 +211,9 @@ class StackedMatrix:
 
     def matmul(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
         if x.shape[0] == 1 and self._quantized:
-            kernels.matvec(self._types, self._data, self._offsets, x[0], out[0], kernels.F16_TABLE,
-                           kernel_threads())
-            return out
+            return _matvec(self._groups, x, out)
         if x.shape[0] < SMALL_BATCH and self._quantized:
-            return _small_batch(self._types, self._data, self._offsets, x, out)
+            return _small_batch(self._groups, x, out)
         for part, start, stop in zip(self.parts, self.offsets, self.offsets[1:], strict=False):
             linear(x, part, out[:, start:stop])
         return out
@@ -199,19 +224,13 @@ def warm_up() -> None:
     """Compile the kernels (or load them from numba's cache) with the argument types the engine uses:
     mapped file bytes (read-only uint8), float32 activations. A first load compiles for about a minute
     on 2 cores; a cached load takes a fraction of a second."""
-    data = np.zeros((1, 34), np.uint8)  # one Q8_0 block
-    data.flags.writeable = False
+    matrix = QuantizedMatrix("warm-up", np.zeros((1, 34), np.uint8), kernels.Q8_0, (1, 32))  # a Q8_0 block
     x = np.zeros((2, 32), np.float32)
-    for parts in ((data,), (data, data), (data, data, data)):  # one matrix, gate/up, Q/K/V
-        types = np.full(len(parts), kernels.Q8_0, np.int64)
-        offsets = np.arange(len(parts) + 1)
-        out = np.zeros((2, len(parts)), np.float32)
-        kernels.matvec(types, parts, offsets, x[0], out[0], kernels.F16_TABLE, 1)
-        kernels.matmul_rows(types, parts, offsets, x, out, kernels.F16_TABLE, 1, HALF)
+    _matvec(matrix._groups, x, np.zeros((1, 1), np.float32))
+    _small_batch(matrix._groups, x, np.zeros((2, 1), np.float32))
     tile = np.zeros((1, 32), np.float32)
-    kernels.dequantize_range(kernels.Q8_0, data, 0, tile, kernels.F16_TABLE, HALF)
-    kernels.dequantize_tile(kernels.Q8_0, data, 0, tile, kernels.F16_TABLE, HALF)
-    kernels.dequantize_rows(kernels.Q8_0, data, np.zeros(1, np.int64), tile, kernels.F16_TABLE, HALF)
+    kernels.dequantize_tile(kernels.Q8_0, matrix.data, 0, tile, kernels.F16_TABLE, HALF)
+    kernels.dequantize_rows(kernels.Q8_0, matrix.data, np.zeros(1, np.int64), tile, kernels.F16_TABLE, HALF)
     from ember import ops
     from ember.quant import token_ops
 
