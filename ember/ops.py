@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from ember import parallel
 from ember.config import RopeLayout
 
 # numba versions of the per-token operations (`ember.quant.token_ops`), set by `use_token_ops` once the
@@ -280,19 +281,25 @@ def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, *, start_posi
         np.matmul(scores, values, out=out.reshape(kv_count, group, value_dim))
         return out
 
+    # Longer evaluations: one piece of work per KV head and chunk of queries, shared out among ember's
+    # threads (`ember.parallel`), each piece a few single-threaded BLAS products.
     out_heads = out.reshape(token_count, kv_count, group, value_dim)
-    for chunk_start in range(0, token_count, PREFILL_QUERY_CHUNK):
+    chunks = range(0, token_count, PREFILL_QUERY_CHUNK)
+
+    def piece(index: int) -> None:
+        kv, chunk_start = divmod(index, len(chunks))
+        chunk_start *= PREFILL_QUERY_CHUNK
         chunk = slice(chunk_start, min(chunk_start + PREFILL_QUERY_CHUNK, token_count))
         query_positions = start_position + np.arange(chunk.start, chunk.stop)
         if key_positions is None:
             # keys are cached in position order: those after the chunk's last query are all masked
             visible = start_position + chunk.stop
-            chunk_keys, chunk_values = keys[:, :visible], values[:, :visible]
+            chunk_keys, chunk_values = keys[kv, :visible], values[kv, :visible]
             chunk_key_positions = np.arange(visible)
         else:
-            chunk_keys, chunk_values, chunk_key_positions = keys, values, key_positions
-        query = q[chunk].reshape(-1, kv_count, group, head_dim).transpose(1, 2, 0, 3)  # [kv, g, t, hd]
-        scores = np.matmul(query, chunk_keys[:, None].transpose(0, 1, 3, 2))  # [kv, g, t, L]
+            chunk_keys, chunk_values, chunk_key_positions = keys[kv], values[kv], key_positions
+        query = q[chunk, kv * group:(kv + 1) * group].transpose(1, 0, 2)  # [g, t, hd]
+        scores = np.matmul(query, chunk_keys.T)  # [g, t, L]
         distance = query_positions[:, None] - chunk_key_positions[None, :]
         masked = distance < 0
         if sliding_window:
@@ -301,6 +308,7 @@ def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, *, start_posi
         scores *= scale
         scores += np.where(masked, np.float32(-np.inf), np.float32(0.0))
         softmax_inplace(scores, np.empty(scores.shape[:-1] + (1,), dtype=np.float32))
-        context = np.matmul(scores, chunk_values[:, None])  # [kv, g, t, hd_v]
-        out_heads[chunk] = context.transpose(2, 0, 1, 3)
+        out_heads[chunk, kv] = np.matmul(scores, chunk_values).transpose(1, 0, 2)  # [t, g, hd_v]
+
+    parallel.share(piece, kv_count * len(chunks))
     return out

@@ -51,14 +51,17 @@ def kernel_threads() -> int:
 
 @contextmanager
 def compute_threads(threads: int) -> Iterator[None]:
-    """Run BLAS and (when loaded) the numba kernels on `threads` threads inside the block."""
+    """Run BLAS, ember's own shared work (`ember.parallel`) and (when loaded) the numba kernels on
+    `threads` threads inside the block."""
     global _kernel_threads
     from threadpoolctl import threadpool_limits
+
+    from ember.parallel import use_threads
 
     numba = sys.modules.get("numba")  # only once the kernels are in use
     previous = numba.get_num_threads() if numba is not None else None
     saved = _kernel_threads
-    with threadpool_limits(threads):
+    with threadpool_limits(threads), use_threads(threads):
         if numba is not None:
             _kernel_threads = max(1, min(threads, numba.config.NUMBA_NUM_THREADS))
             numba.set_num_threads(_kernel_threads)
@@ -69,25 +72,3 @@ def compute_threads(threads: int) -> Iterator[None]:
             if numba is not None and previous is not None:
                 numba.set_num_threads(previous)
 
-
-@cache
-def _blas_libraries() -> tuple:
-    from threadpoolctl import ThreadpoolController
-
-    return tuple(lib for lib in ThreadpoolController().lib_controllers if lib.user_api == "blas")
-
-
-@contextmanager
-def single_threaded_blas() -> Iterator[None]:
-    """BLAS on one thread inside the block, restored after: each thread that calls it then multiplies in
-    its own thread (prefill's tiles). A direct call into the BLAS library, a few microseconds (a
-    `threadpool_limits` takes 10-30)."""
-    libraries = _blas_libraries()
-    previous = [lib.num_threads for lib in libraries]
-    for lib in libraries:
-        lib.set_num_threads(1)
-    try:
-        yield
-    finally:
-        for lib, threads in zip(libraries, previous, strict=True):
-            lib.set_num_threads(threads)

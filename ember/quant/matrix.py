@@ -11,27 +11,23 @@ How `matmul` multiplies, by the number of activation rows T:
 * T < `SMALL_BATCH` (short prompts, the evaluations of a study): `kernels.matmul_rows` decodes each
   weight row once and multiplies it by every row of x, the rows shared out among the threads.
 * more rows (prefill): W is cut into tiles of consecutive rows, a tile's size fixed by W's shape alone.
-  Each of `threads` threads takes tiles in turn, decodes one into its own reused scratch
+  `ember.parallel.share` hands the tiles to the threads; each decodes one into its own reused scratch
   (`kernels.dequantize_tile`, values bit-identical to gguf-py's) and multiplies it by single-threaded
   BLAS (`numpy.matmul`): the products are the float32 path's up to BLAS's summation order, and the
-  same whatever the thread count (each output element comes from the same tile product).
-
-Why not numba's parallel decoder followed by multi-threaded BLAS, as before: both thread pools
-busy-wait after their work (OpenMP's spin, OpenBLAS's thread timeout) and on 2 cores each takes the
-other's core. Measured on SmolLM2, 2 threads: prefill 66 tokens/s at 128 and 215 at 512 that way (see
-benchmarks/README.md for this layout's figures).
+  same whatever the thread count (each output element comes from the same tile product). Why ember's
+  threads and not BLAS's: `ember.parallel`.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from ember import parallel
 from ember.ops import linear
-from ember.quant import kernel_threads, kernels, single_threaded_blas
+from ember.quant import kernel_threads, kernels
 
 # A prefill tile holds at most TILE_VALUES weights (4 MB as float32: each thread's scratch) and, where W
 # has the rows, at least MIN_TILE_ROWS rows (BLAS is slow on narrow products), and W is cut into at
@@ -39,16 +35,16 @@ from ember.quant import kernel_threads, kernels, single_threaded_blas
 TILE_VALUES = 1 << 20
 MIN_TILE_ROWS = 64
 MIN_TILES = 4
-# Below this many activation rows `kernels.matmul_rows` multiplies; from it on, tiles and BLAS.
-SMALL_BATCH = 16
+# Below this many activation rows `kernels.matmul_rows` multiplies; from it on, tiles and BLAS. Measured
+# (2 threads, prompt tokens/s, row by row / tiles): SmolLM2 at 32 rows 327 / 229, at 64 363 / 385;
+# Gemma 3 270M at 32 368 / 283, at 48 320 / 386.
+SMALL_BATCH = 48
 HALF = 16  # handed to the kernels at run time (see kernels._decode)
 # The kernels take the parts of a stacked weight as a tuple of exactly this many (padded with empty
 # parts): numba compiles a function once per tuple length, ~30 s each on 2 cores.
 KERNEL_PARTS = 3
 
 _scratch = threading.local()
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
 
 
 def tile_rows(rows: int, columns: int) -> int:
@@ -56,18 +52,6 @@ def tile_rows(rows: int, columns: int) -> int:
     by_count = -(-rows // MIN_TILES)
     by_size = max(MIN_TILE_ROWS, TILE_VALUES // columns)
     return max(16, min(by_size, max(by_count, MIN_TILE_ROWS)) // 16 * 16)
-
-
-def _prefill_pool(threads: int) -> ThreadPoolExecutor:
-    """The threads prefill's tiles are shared among (kept: starting threads for each product costs more
-    than the product of a short prompt)."""
-    global _pool
-    with _pool_lock:
-        if _pool is None or _pool._max_workers != threads:
-            if _pool is not None:
-                _pool.shutdown(wait=False)
-            _pool = ThreadPoolExecutor(threads, thread_name_prefix="ember-prefill")
-        return _pool
 
 
 KernelGroup = tuple[np.ndarray, tuple[np.ndarray, ...], np.ndarray]
@@ -152,30 +136,15 @@ class QuantizedMatrix:
     def _tiled_matmul(self, x: np.ndarray, out: np.ndarray) -> None:
         rows, columns = self.shape
         step = tile_rows(rows, columns)
-        firsts = iter(range(0, rows, step))
-        lock = threading.Lock()
 
-        def work() -> None:  # one thread: the next tile not yet taken, until none is left
-            buffer = _tile_buffer(step * columns)
-            while True:
-                with lock:
-                    first = next(firsts, None)
-                if first is None:
-                    return
-                count = min(step, rows - first)
-                tile = buffer[: count * columns].reshape(count, columns)
-                kernels.dequantize_tile(self.ggml_type, self.data, first, tile, kernels.F16_TABLE, HALF)
-                np.matmul(x, tile.T, out=out[:, first:first + count])
+        def tile_product(index: int) -> None:  # decode one tile into this thread's scratch, multiply it
+            first = index * step
+            count = min(step, rows - first)
+            tile = _tile_buffer(step * columns)[: count * columns].reshape(count, columns)
+            kernels.dequantize_tile(self.ggml_type, self.data, first, tile, kernels.F16_TABLE, HALF)
+            np.matmul(x, tile.T, out=out[:, first:first + count])
 
-        threads = min(kernel_threads(), -(-rows // step))
-        with single_threaded_blas():
-            if threads == 1:
-                work()
-                return
-            helpers = [_prefill_pool(threads - 1).submit(work) for _ in range(threads - 1)]
-            work()
-            for helper in helpers:
-                helper.result()
+        parallel.share(tile_product, -(-rows // step))
 
     def rows(self, ids: np.ndarray, out: np.ndarray) -> np.ndarray:
         """out[i] = row ids[i], decoded (ids must be valid row numbers)."""
