@@ -92,9 +92,6 @@ def rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float, out: np.ndarr
 
 def silu_inplace(x: np.ndarray, scratch: np.ndarray) -> np.ndarray:
     """x ← x · sigmoid(x), with sigmoid(x) = (1 + tanh(x/2)) / 2, which cannot overflow."""
-    if x.shape[0] == 1 and _one_row(x):
-        _token_ops.silu(x.reshape(1, -1))
-        return x
     np.multiply(x, 0.5, out=scratch)
     np.tanh(scratch, out=scratch)
     scratch += 1.0
@@ -108,9 +105,6 @@ _GELU_C = math.sqrt(2.0 / math.pi)
 
 def gelu_tanh_inplace(x: np.ndarray, scratch: np.ndarray) -> np.ndarray:
     """x ← 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))), the exact formula HF uses."""
-    if x.shape[0] == 1 and _one_row(x):
-        _token_ops.gelu_tanh(x.reshape(1, -1), _GELU_C)
-        return x
     np.multiply(x, x, out=scratch)
     scratch *= x  # in place: `0.044715 * x` would allocate an [rows, F] temporary per call
     scratch *= 0.044715
