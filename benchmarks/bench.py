@@ -46,6 +46,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -376,9 +377,11 @@ def resolve_gguf(model: str, gguf: str | None = None) -> Path:
 
 
 def spawn(
-    job: dict[str, Any], env: dict[str, str], workdir: Path, args: argparse.Namespace
+    job: dict[str, Any], env: dict[str, str], workdir: Path, args: argparse.Namespace,
+    before_attempt: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
-    """Run one worker process; its result carries the load the rest of the machine put on it."""
+    """Run one worker process; its result carries the load the rest of the machine put on it.
+    `before_attempt` runs before every attempt (a cold load empties its caches again)."""
     name = f"{job['engine'].replace(':', '-')}-{job['phase']}-{job['repeat']}"
     job_path = workdir / f"{name}.job.json"
     job["result_path"] = str(workdir / f"{name}.result.json")
@@ -397,6 +400,8 @@ def spawn(
         wait_for_quiet(args.quiet_limit, args.max_wait, own_seconds)
         result_path = Path(job["result_path"])
         result_path.unlink(missing_ok=True)
+        if before_attempt is not None:
+            before_attempt()
         with LoadMeter(own_seconds) as meter:
             outcome = run_watched(
                 command, cwd=REPO_ROOT, env=env, timeout=args.timeout, budget_bytes=budget,
@@ -600,10 +605,15 @@ def run_all(args: argparse.Namespace, engines: list[str], base_job: dict[str, An
                 numba_cache = cache / "numba"
                 numba_cache.mkdir(parents=True)
                 worker_env = dict(env, EMBER_CACHE=str(cache), NUMBA_CACHE_DIR=str(numba_cache))
+                def empty_caches(cache: Path = cache, numba_cache: Path = numba_cache) -> None:
+                    shutil.rmtree(cache, ignore_errors=True)  # a retried cold load starts empty again
+                    numba_cache.mkdir(parents=True)
+
                 for phase in ("cold", "warm"):
                     job = dict(base_job, engine=engine, kind=kind, ember_weights=weights, phase=phase,
                                repeat=repeat, memory_budget_bytes=budget)
-                    result = spawn(job, worker_env, Path(workdir), args)
+                    result = spawn(job, worker_env, Path(workdir), args,
+                                   empty_caches if phase == "cold" else None)
                     result["repeat"] = repeat
                     if phase == "cold" and kind == "ember":
                         result["cache_mib"] = directory_bytes(cache) / 2**20

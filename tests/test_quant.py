@@ -8,8 +8,8 @@ import pytest
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
-from ember.quant import kernels
-from ember.quant.matrix import TILE_VALUES, QuantizedMatrix, StackedMatrix
+from ember.quant import compute_threads, kernels
+from ember.quant.matrix import SMALL_BATCH, TILE_VALUES, QuantizedMatrix, StackedMatrix, tile_rows
 from ember.weights import KERNEL_TYPES
 
 RNG = np.random.default_rng(11)
@@ -59,7 +59,8 @@ def test_every_block_type_decodes_like_gguf_py_and_multiplies_like_float32(qtype
     np.testing.assert_array_equal(matrix.rows(ids, np.empty((4, columns), np.float32)), expected[ids])
 
     exact = expected.astype(np.float64)
-    for tokens in (1, 7):  # decode's matrix-vector kernel, and a prefill tile through BLAS
+    # decode's matrix-vector kernel, a short prompt's row-by-row kernel, prefill tiles through BLAS
+    for tokens in (1, 7, SMALL_BATCH + 3):
         x = RNG.standard_normal((tokens, columns)).astype(np.float32)
         got = matrix.matmul(x, np.zeros((tokens, rows), np.float32))
         reference = x.astype(np.float64) @ exact.T
@@ -69,13 +70,14 @@ def test_every_block_type_decodes_like_gguf_py_and_multiplies_like_float32(qtype
 def test_stacked_parts_of_two_types_multiply_into_their_columns(monkeypatch):
     import ember.quant.matrix as matrix_module
 
-    monkeypatch.setattr(matrix_module, "TILE_VALUES", 5 * 256)  # several tiles, the last one short
+    monkeypatch.setattr(matrix_module, "MIN_TILE_ROWS", 16)
+    monkeypatch.setattr(matrix_module, "TILE_VALUES", 16 * 256)  # several tiles, the last one short
     rows, columns = 23, 256
     parts = [QuantizedMatrix(f"p{i}", random_encoded(qtype, rows, columns), int(qtype), (rows, columns))
              for i, qtype in enumerate((Q.Q4_K, Q.Q8_0))]
     stacked = StackedMatrix(parts)
     weight = np.concatenate([reference_values(Q(p.ggml_type), p.data) for p in parts])
-    for tokens in (9, 1):  # prefill tiles; decode's one kernel call over both parts
+    for tokens in (SMALL_BATCH + 1, 9, 1):  # prefill tiles; a short prompt's and decode's one kernel call
         x = RNG.standard_normal((tokens, columns)).astype(np.float32)
         out = np.full((tokens, 2 * rows), np.nan, np.float32)
         stacked.matmul(x, out)
@@ -84,11 +86,26 @@ def test_stacked_parts_of_two_types_multiply_into_their_columns(monkeypatch):
     assert TILE_VALUES >= 1 << 20  # the real tile: BLAS-sized
 
 
+def test_tiles_depend_on_the_shape_alone_so_products_do_not_depend_on_the_threads():
+    # Each output element comes from the same tile product whatever the thread count: bit-identical.
+    rows, columns = 1000, 512
+    matrix = QuantizedMatrix("w", random_encoded(Q.Q4_K, rows, columns), int(Q.Q4_K), (rows, columns))
+    x = RNG.standard_normal((40, columns)).astype(np.float32)
+    results = []
+    for threads in (1, 2, 3):
+        with compute_threads(threads):
+            results.append(matrix.matmul(x, np.empty((40, rows), np.float32)))
+    assert all(np.array_equal(results[0], other) for other in results[1:])
+    step = tile_rows(rows, columns)
+    assert step % 16 == 0 and -(-rows // step) >= 4  # several tiles, so threads share the work
+    assert tile_rows(262144, 640) * 640 <= TILE_VALUES and tile_rows(14336, 4096) >= 64
+
+
 def test_decoders_never_read_past_their_row():
     # A row's last block decoded from a view that ends exactly there (a file mapping can end too).
     for qtype in (Q.Q4_K, Q.Q6_K, Q.Q5_0, Q.BF16):
         data = random_encoded(qtype, 3, 512)
         view = np.ascontiguousarray(data)[1:2]
         out = np.empty((1, 512), np.float32)
-        kernels.dequantize_range(int(qtype), view, 0, out, kernels.F16_TABLE, 16)
+        kernels.dequantize_tile(int(qtype), view, 0, out, kernels.F16_TABLE, 16)
         np.testing.assert_array_equal(out, reference_values(qtype, data)[1:2])

@@ -51,14 +51,17 @@ def kernel_threads() -> int:
 
 @contextmanager
 def compute_threads(threads: int) -> Iterator[None]:
-    """Run BLAS and (when loaded) the numba kernels on `threads` threads inside the block."""
+    """Run BLAS, ember's own shared work (`ember.parallel`) and (when loaded) the numba kernels on
+    `threads` threads inside the block."""
     global _kernel_threads
     from threadpoolctl import threadpool_limits
+
+    from ember.parallel import use_threads
 
     numba = sys.modules.get("numba")  # only once the kernels are in use
     previous = numba.get_num_threads() if numba is not None else None
     saved = _kernel_threads
-    with threadpool_limits(threads):
+    with threadpool_limits(threads), use_threads(threads):
         if numba is not None:
             _kernel_threads = max(1, min(threads, numba.config.NUMBA_NUM_THREADS))
             numba.set_num_threads(_kernel_threads)
@@ -68,3 +71,4 @@ def compute_threads(threads: int) -> Iterator[None]:
             _kernel_threads = saved
             if numba is not None and previous is not None:
                 numba.set_num_threads(previous)
+

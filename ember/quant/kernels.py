@@ -7,9 +7,11 @@ fused multiply-add), so they equal gguf-py's dequantization bit for bit (tests/t
 
 The drivers dispatch on the type once per row segment:
 
-* `dequantize_rows(qtype, data, row_ids, out)`: whole rows (embedding rows, prefill tiles).
+* `dequantize_rows(qtype, data, row_ids, out)` and `dequantize_tile(qtype, data, first_row, out)`: whole
+  rows (embedding rows; prefill tiles).
 * `matvec(qtypes, parts, offsets, x, out, ...)`: out[r] = Σ_c W[r, c] · x[c] (decode), W one matrix or
   several stacked, multiplied straight from the blocks with the 16-lane primitives of `simd.py`.
+* `matmul_rows(...)`: the same for a few rows of x (short prompts): each weight row decoded once.
 
 The decoders serve prefill (tiles for BLAS) and embedding lookups; decode's products do not decode
 rows into memory first: with the primitives they ran 2.5–4× faster than decoding a row and dotting it.
@@ -34,6 +36,9 @@ F16_TABLE = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float
 EXACT = {"nnan", "ninf", "nsz", "arcp"}
 # The products may be reassociated (vectorized sums) and fused: summation order is not specified.
 FAST = True
+# Accumulators of a row · vector product: 8 banks of 16 lanes, so consecutive primitives add into
+# different banks instead of waiting on each other's store.
+ACC_LANES = 128
 
 
 @njit(inline="always")
@@ -284,22 +289,54 @@ def _decode(qtype, src, first, blocks, dst, table, half):
         _decode_f32(src, first, blocks, dst, table, 0)
 
 
-@njit(parallel=True, fastmath=EXACT, cache=True)
+@njit(nogil=True, fastmath=EXACT, cache=True)
 def dequantize_rows(qtype, data, row_ids, out, table, half):
-    """out[i] = row row_ids[i] of the encoded matrix `data` ([rows, bytes per row] uint8)."""
+    """out[i] = row row_ids[i] of the encoded matrix `data` ([rows, bytes per row] uint8): embedding
+    lookups, a few rows at a time."""
     block = block_values(qtype)
     blocks = out.shape[1] // block
-    for i in prange(row_ids.shape[0]):
+    for i in range(row_ids.shape[0]):
         _decode(qtype, data[row_ids[i]], 0, blocks, out[i], table, half)
 
 
-@njit(parallel=True, fastmath=EXACT, cache=True)
-def dequantize_range(qtype, data, first_row, out, table, half):
-    """out[i] = row first_row + i of `data`, for every row of out (a tile of consecutive rows)."""
+@njit(nogil=True, fastmath=EXACT, cache=True)
+def dequantize_tile(qtype, data, first_row, out, table, half):
+    """out[i] = row first_row + i of `data`, for every row of out (a tile of consecutive rows), in the
+    calling thread, without the GIL: prefill's threads each decode their own tiles at once
+    (`matrix.QuantizedMatrix.matmul`)."""
     block = block_values(qtype)
     blocks = out.shape[1] // block
-    for i in prange(out.shape[0]):
+    for i in range(out.shape[0]):
         _decode(qtype, data[first_row + i], 0, blocks, out[i], table, half)
+
+
+@njit(parallel=True, fastmath=FAST, cache=True)
+def matmul_rows(qtypes, parts, offsets, x, out, table, threads, half):
+    """out[t, r] = Σ_c W[r, c]·x[t, c] for a few activation rows t: each weight row is decoded once into
+    a small per-worker buffer (it stays in L1) and multiplied by every row of x. W as in `matvec`.
+
+    For a handful of rows this beats decoding a tile for BLAS (whose decoding runs in one thread per
+    tile) and T separate matrix-vector products (each decoding W again); see `matrix.SMALL_BATCH`.
+    """
+    rows = offsets[-1]
+    tokens, columns = x.shape
+    workers = max(1, min(threads, rows))
+    for worker in prange(workers):
+        row = np.empty(columns, np.float32)
+        first, stop = rows * worker // workers, rows * (worker + 1) // workers
+        for part in range(len(qtypes)):
+            base = offsets[part]
+            start, end = max(first, base), min(stop, offsets[part + 1])
+            qtype = qtypes[part]
+            blocks = columns // block_values(qtype)
+            data = parts[part]
+            for r in range(start - base, end - base):
+                _decode(qtype, data[r], 0, blocks, row, table, half)
+                for t in range(tokens):
+                    total = np.float32(0.0)
+                    for c in range(columns):
+                        total += row[c] * x[t, c]
+                    out[t, base + r] = total
 
 
 # ------------------------------------------------------------------------------ row · vector
@@ -317,7 +354,7 @@ def _dot_q4_0(src, blocks, x, sums16, acc, table):
     for b in range(blocks):
         at, xb = b * 18, b * 32
         d = _f16(table, src, at)
-        simd.fma_nibbles(acc, src, at + 2, x, xb, xb + 16, d, d)
+        simd.fma_nibbles(acc, 32 * (b & 1), src, at + 2, x, xb, xb + 16, d, d)
         offset -= np.float32(8.0) * d * (sums16[2 * b] + sums16[2 * b + 1])
     return offset
 
@@ -328,7 +365,7 @@ def _dot_q4_1(src, blocks, x, sums16, acc, table):
     for b in range(blocks):
         at, xb = b * 20, b * 32
         d = _f16(table, src, at)
-        simd.fma_nibbles(acc, src, at + 4, x, xb, xb + 16, d, d)
+        simd.fma_nibbles(acc, 32 * (b & 1), src, at + 4, x, xb, xb + 16, d, d)
         offset += _f16(table, src, at + 2) * (sums16[2 * b] + sums16[2 * b + 1])
     return offset
 
@@ -340,9 +377,7 @@ def _dot_q5_0(src, blocks, x, sums16, acc, table):
         at, xb = b * 22, b * 32
         d = _f16(table, src, at)
         high = _u32(src, at + 2)
-        simd.fma_nibbles(acc, src, at + 6, x, xb, xb + 16, d, d)
-        simd.fma_word_bits(acc, high, 0, x, xb, np.float32(16.0) * d)
-        simd.fma_word_bits(acc, high, 16, x, xb + 16, np.float32(16.0) * d)
+        simd.fma_nibbles_word_bits(acc, 32 * (b & 1), src, at + 6, high, x, xb, xb + 16, d, d)
         offset -= np.float32(16.0) * d * (sums16[2 * b] + sums16[2 * b + 1])
     return offset
 
@@ -354,9 +389,7 @@ def _dot_q5_1(src, blocks, x, sums16, acc, table):
         at, xb = b * 24, b * 32
         d = _f16(table, src, at)
         high = _u32(src, at + 4)
-        simd.fma_nibbles(acc, src, at + 8, x, xb, xb + 16, d, d)
-        simd.fma_word_bits(acc, high, 0, x, xb, np.float32(16.0) * d)
-        simd.fma_word_bits(acc, high, 16, x, xb + 16, np.float32(16.0) * d)
+        simd.fma_nibbles_word_bits(acc, 32 * (b & 1), src, at + 8, high, x, xb, xb + 16, d, d)
         offset += _f16(table, src, at + 2) * (sums16[2 * b] + sums16[2 * b + 1])
     return offset
 
@@ -366,8 +399,9 @@ def _dot_q8_0(src, blocks, x, sums16, acc, table):
     for b in range(blocks):
         at, xb = b * 34, b * 32
         d = _f16(table, src, at)
-        simd.fma_signed_bytes(acc, src, at + 2, x, xb, d)
-        simd.fma_signed_bytes(acc, src, at + 18, x, xb + 16, d)
+        bank = 32 * (b & 1)
+        simd.fma_signed_bytes(acc, bank, src, at + 2, x, xb, d)
+        simd.fma_signed_bytes(acc, bank + 16, src, at + 18, x, xb + 16, d)
     return np.float32(0.0)
 
 
@@ -383,8 +417,9 @@ def _dot_q4_k(src, blocks, x, sums16, acc, table):
             scale2, min2 = _scale_min_k4(2 * c + 1, src, at + 4)
             d1, d2 = d * np.float32(scale1), d * np.float32(scale2)
             qs, xb, k = at + 16 + 32 * c, b * 256 + 64 * c, b * 16 + 4 * c
-            simd.fma_nibbles(acc, src, qs, x, xb, xb + 32, d1, d2)
-            simd.fma_nibbles(acc, src, qs + 16, x, xb + 16, xb + 48, d1, d2)
+            bank = 64 * (c & 1)
+            simd.fma_nibbles(acc, bank, src, qs, x, xb, xb + 32, d1, d2)
+            simd.fma_nibbles(acc, bank + 32, src, qs + 16, x, xb + 16, xb + 48, d1, d2)
             offset -= dmin * (np.float32(min1) * (sums16[k] + sums16[k + 1])
                               + np.float32(min2) * (sums16[k + 2] + sums16[k + 3]))
     return offset
@@ -403,12 +438,10 @@ def _dot_q5_k(src, blocks, x, sums16, acc, table):
             d1, d2 = d * np.float32(scale1), d * np.float32(scale2)
             qs, xb, k = at + 48 + 32 * c, b * 256 + 64 * c, b * 16 + 4 * c
             bit1, bit2 = 1 << (2 * c), 2 << (2 * c)
-            simd.fma_nibbles(acc, src, qs, x, xb, xb + 32, d1, d2)
-            simd.fma_nibbles(acc, src, qs + 16, x, xb + 16, xb + 48, d1, d2)
-            simd.fma_masked_bytes(acc, src, at + 16, bit1, x, xb, np.float32(16.0) * d1)
-            simd.fma_masked_bytes(acc, src, at + 32, bit1, x, xb + 16, np.float32(16.0) * d1)
-            simd.fma_masked_bytes(acc, src, at + 16, bit2, x, xb + 32, np.float32(16.0) * d2)
-            simd.fma_masked_bytes(acc, src, at + 32, bit2, x, xb + 48, np.float32(16.0) * d2)
+            bank = 64 * (c & 1)
+            simd.fma_nibbles_masked(acc, bank, src, qs, at + 16, bit1, bit2, x, xb, xb + 32, d1, d2)
+            simd.fma_nibbles_masked(acc, bank + 32, src, qs + 16, at + 32, bit1, bit2, x, xb + 16, xb + 48,
+                                    d1, d2)
             offset -= dmin * (np.float32(min1) * (sums16[k] + sums16[k + 1])
                               + np.float32(min2) * (sums16[k + 2] + sums16[k + 3]))
     return offset
@@ -426,8 +459,8 @@ def _dot_q6_k(src, blocks, x, sums16, acc, table):
                 j, xb = 16 * part, b * 256 + 128 * h + 16 * part
                 for quarter in range(4):  # values j+32·quarter: scale part+2·quarter, nibble/bits below
                     scale = d * np.float32(np.int8(src[scales + part + 2 * quarter]))
-                    simd.fma_six_bits(acc, src, low + j + 32 * (quarter & 1), 4 * (quarter >> 1), high + j,
-                                      2 * quarter, x, xb + 32 * quarter, scale)
+                    simd.fma_six_bits(acc, 16 * quarter + 64 * part, src, low + j + 32 * (quarter & 1),
+                                      4 * (quarter >> 1), high + j, 2 * quarter, x, xb + 32 * quarter, scale)
                     offset -= np.float32(32.0) * scale * sums16[(xb + 32 * quarter) // 16]
     return offset
 
@@ -435,7 +468,7 @@ def _dot_q6_k(src, blocks, x, sums16, acc, table):
 @njit(inline="always")
 def _dot_f16(src, columns, x, acc):
     for i in range(0, columns - columns % 16, 16):
-        simd.fma_half_floats(acc, src, 2 * i, x, i)
+        simd.fma_half_floats(acc, (i >> 4 & 3) * 16, src, 2 * i, x, i)
     tail = np.float32(0.0)
     for i in range(columns - columns % 16, columns):
         tail += _f16_value(src, i) * x[i]
@@ -445,7 +478,7 @@ def _dot_f16(src, columns, x, acc):
 @njit(inline="always")
 def _dot_bf16(src, columns, x, acc):
     for i in range(0, columns - columns % 16, 16):
-        simd.fma_brain_floats(acc, src, 2 * i, x, i)
+        simd.fma_brain_floats(acc, (i >> 4 & 3) * 16, src, 2 * i, x, i)
     tail = np.float32(0.0)
     bits = np.empty(1, np.uint32)
     for i in range(columns - columns % 16, columns):
@@ -457,7 +490,7 @@ def _dot_bf16(src, columns, x, acc):
 @njit(inline="always")
 def _lanes_total(acc, offset):
     total = offset
-    for lane in range(simd.LANES):
+    for lane in range(ACC_LANES):
         total += acc[lane]
     return total
 
@@ -538,7 +571,7 @@ def matvec(qtypes, parts, offsets, x, out, table, threads):
         sums16[k] = total
     workers = max(1, min(threads, rows))  # numba.get_num_threads() here would make it uncacheable
     for worker in prange(workers):
-        acc = np.empty(simd.LANES, np.float32)
+        acc = np.empty(ACC_LANES, np.float32)
         first, stop = rows * worker // workers, rows * (worker + 1) // workers
         for part in range(len(qtypes)):  # this worker's rows of each part
             base = offsets[part]

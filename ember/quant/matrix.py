@@ -7,12 +7,15 @@ parts may have different block types) without copying any.
 
 How `matmul` multiplies, by the number of activation rows T:
 
-* T = 1 (decode): `kernels.matvec` decodes each weight row and multiplies it by x, straight from the
-  blocks.
-* more rows (prefill): a tile of at most `TILE_VALUES` weights is decoded into reused scratch memory and
-  multiplied by BLAS (`numpy.matmul`), tile after tile: the decoded values are gguf-py's, so the
-  products are the float32 path's up to BLAS's summation order. Even at T = 2 this costs one decoding
-  of W, as a matrix-vector product does.
+* T = 1 (decode): `kernels.matvec` multiplies each weight row by x straight from its blocks.
+* T < `SMALL_BATCH` (short prompts, the evaluations of a study): `kernels.matmul_rows` decodes each
+  weight row once and multiplies it by every row of x, the rows shared out among the threads.
+* more rows (prefill): W is cut into tiles of consecutive rows, a tile's size fixed by W's shape alone.
+  `ember.parallel.share` hands the tiles to the threads; each decodes one into its own reused scratch
+  (`kernels.dequantize_tile`, values bit-identical to gguf-py's) and multiplies it by single-threaded
+  BLAS (`numpy.matmul`): the products are the float32 path's up to BLAS's summation order, and the
+  same whatever the thread count (each output element comes from the same tile product). Why ember's
+  threads and not BLAS's: `ember.parallel`.
 """
 
 from __future__ import annotations
@@ -22,16 +25,71 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ember import parallel
 from ember.ops import linear
 from ember.quant import kernel_threads, kernels
 
-# A prefill tile: 4 M float32 weights (16 MB). Large enough that BLAS runs at full speed on each tile,
-# small enough that even Llama-3.1-8B's 28672-row gate/up projection never needs its 470 MB float32
-# form at once.
-TILE_VALUES = 1 << 22
+# A prefill tile holds at most TILE_VALUES weights (4 MB as float32: each thread's scratch) and, where W
+# has the rows, at least MIN_TILE_ROWS rows (BLAS is slow on narrow products), and W is cut into at
+# least MIN_TILES tiles so that 2 to 4 threads share it evenly.
+TILE_VALUES = 1 << 20
+MIN_TILE_ROWS = 64
+MIN_TILES = 4
+# Below this many activation rows `kernels.matmul_rows` multiplies; from it on, tiles and BLAS. Measured
+# (2 threads, prompt tokens/s, row by row / tiles): SmolLM2 at 32 rows 327 / 229, at 64 363 / 385;
+# Gemma 3 270M at 32 368 / 283, at 48 320 / 386.
+SMALL_BATCH = 48
 HALF = 16  # handed to the kernels at run time (see kernels._decode)
+# The kernels take the parts of a stacked weight as a tuple of exactly this many (padded with empty
+# parts): numba compiles a function once per tuple length, ~30 s each on 2 cores.
+KERNEL_PARTS = 3
 
 _scratch = threading.local()
+
+
+def tile_rows(rows: int, columns: int) -> int:
+    """The rows of one prefill tile of a [rows, columns] matrix: a multiple of 16, by shape alone."""
+    by_count = -(-rows // MIN_TILES)
+    by_size = max(MIN_TILE_ROWS, TILE_VALUES // columns)
+    return max(16, min(by_size, max(by_count, MIN_TILE_ROWS)) // 16 * 16)
+
+
+KernelGroup = tuple[np.ndarray, tuple[np.ndarray, ...], np.ndarray]
+
+
+def kernel_groups(parts: Sequence[QuantizedMatrix]) -> list[KernelGroup]:
+    """The (types, parts, row offsets) triples the kernels take for matrices stacked along their rows:
+    KERNEL_PARTS parts a call, the last call padded with empty parts; offsets count the whole stack's
+    rows, so each call writes its own columns of the output."""
+    groups = []
+    first = 0
+    for start in range(0, len(parts), KERNEL_PARTS):
+        chunk = list(parts[start:start + KERNEL_PARTS])
+        offsets = np.cumsum([first] + [part.shape[0] for part in chunk]).tolist()
+        first = offsets[-1]
+        padding = KERNEL_PARTS - len(chunk)
+        types = np.array([part.ggml_type for part in chunk] + [chunk[-1].ggml_type] * padding, np.int64)
+        data = tuple(part.data for part in chunk) + (chunk[-1].data,) * padding
+        groups.append((types, data, np.array(offsets + [offsets[-1]] * padding, np.int64)))
+    return groups
+
+
+def _matvec(groups: list[KernelGroup], x: np.ndarray, out: np.ndarray) -> np.ndarray:
+    for types, parts, offsets in groups:
+        kernels.matvec(types, parts, offsets, x[0], out[0], kernels.F16_TABLE, kernel_threads())
+    return out
+
+
+def _small_batch(groups: list[KernelGroup], x: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """`kernels.matmul_rows` on contiguous operands (one compiled variant; the copies are a few rows)."""
+    contiguous = out if out.flags.c_contiguous else np.empty(out.shape, np.float32)
+    rows = np.ascontiguousarray(x)
+    for types, parts, offsets in groups:
+        kernels.matmul_rows(types, parts, offsets, rows, contiguous, kernels.F16_TABLE, kernel_threads(),
+                            HALF)
+    if contiguous is not out:
+        out[...] = contiguous
+    return out
 
 
 def _tile_buffer(values: int) -> np.ndarray:
@@ -52,11 +110,11 @@ class QuantizedMatrix:
 
     def __init__(self, name: str, data: np.ndarray, ggml_type: int, shape: tuple[int, int]) -> None:
         self.name = name
-        self.data = data
+        self.data = data.view()
+        self.data.flags.writeable = False  # the mapped file's type: one compiled variant of each kernel
         self.ggml_type = int(ggml_type)
         self.shape = shape
-        self._types = np.array([self.ggml_type], np.int64)
-        self._offsets = np.array([0, shape[0]], np.int64)
+        self._groups = kernel_groups([self])
 
     def __repr__(self) -> str:
         return f"QuantizedMatrix({self.name!r}, type {self.ggml_type}, shape {self.shape})"
@@ -68,18 +126,25 @@ class QuantizedMatrix:
     def matmul(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
         """out = x @ Wᵀ for x [T, columns]; out [T, rows] may be a column slice of a wider buffer."""
         if x.shape[0] == 1:
-            kernels.matvec(self._types, (self.data,), self._offsets, x[0], out[0], kernels.F16_TABLE,
-                           kernel_threads())
-            return out
-        rows, columns = self.shape
-        tile_rows = max(1, min(rows, TILE_VALUES // columns))
-        buffer = _tile_buffer(tile_rows * columns)
-        for first in range(0, rows, tile_rows):
-            count = min(tile_rows, rows - first)
-            tile = buffer[: count * columns].reshape(count, columns)
-            kernels.dequantize_range(self.ggml_type, self.data, first, tile, kernels.F16_TABLE, HALF)
-            np.matmul(x, tile.T, out=out[:, first:first + count])
+            _matvec(self._groups, x, out)
+        elif x.shape[0] < SMALL_BATCH:
+            _small_batch(self._groups, x, out)
+        else:
+            self._tiled_matmul(x, out)
         return out
+
+    def _tiled_matmul(self, x: np.ndarray, out: np.ndarray) -> None:
+        rows, columns = self.shape
+        step = tile_rows(rows, columns)
+
+        def tile_product(index: int) -> None:  # decode one tile into this thread's scratch, multiply it
+            first = index * step
+            count = min(step, rows - first)
+            tile = _tile_buffer(step * columns)[: count * columns].reshape(count, columns)
+            kernels.dequantize_tile(self.ggml_type, self.data, first, tile, kernels.F16_TABLE, HALF)
+            np.matmul(x, tile.T, out=out[:, first:first + count])
+
+        parallel.share(tile_product, -(-rows // step))
 
     def rows(self, ids: np.ndarray, out: np.ndarray) -> np.ndarray:
         """out[i] = row ids[i], decoded (ids must be valid row numbers)."""
@@ -89,7 +154,7 @@ class QuantizedMatrix:
     def dequantize(self) -> np.ndarray:
         """The whole matrix as a new float32 array."""
         out = np.empty(self.shape, np.float32)
-        kernels.dequantize_range(self.ggml_type, self.data, 0, out, kernels.F16_TABLE, HALF)
+        kernels.dequantize_tile(self.ggml_type, self.data, 0, out, kernels.F16_TABLE, HALF)
         return out
 
 
@@ -107,9 +172,7 @@ class StackedMatrix:
         # decode multiplies every part in one kernel call when none of them is a float32 array
         self._quantized = all(isinstance(part, QuantizedMatrix) for part in self.parts)
         if self._quantized:
-            self._types = np.array([part.ggml_type for part in self.parts], np.int64)
-            self._data = tuple(part.data for part in self.parts)
-            self._offsets = np.array(self.offsets, np.int64)
+            self._groups = kernel_groups(self.parts)
 
     @property
     def nbytes(self) -> int:
@@ -117,9 +180,9 @@ class StackedMatrix:
 
     def matmul(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
         if x.shape[0] == 1 and self._quantized:
-            kernels.matvec(self._types, self._data, self._offsets, x[0], out[0], kernels.F16_TABLE,
-                           kernel_threads())
-            return out
+            return _matvec(self._groups, x, out)
+        if x.shape[0] < SMALL_BATCH and self._quantized:
+            return _small_batch(self._groups, x, out)
         for part, start, stop in zip(self.parts, self.offsets, self.offsets[1:], strict=False):
             linear(x, part, out[:, start:stop])
         return out
@@ -130,12 +193,15 @@ def warm_up() -> None:
     """Compile the kernels (or load them from numba's cache) with the argument types the engine uses:
     mapped file bytes (read-only uint8), float32 activations. A first load compiles for about a minute
     on 2 cores; a cached load takes a fraction of a second."""
-    data = np.zeros((1, 34), np.uint8)  # one Q8_0 block
-    data.flags.writeable = False
-    x = np.zeros(32, np.float32)
-    out = np.zeros((1, 32), np.float32)
-    for parts in ((data,), (data, data), (data, data, data)):  # one matrix, gate/up, Q/K/V
-        types = np.full(len(parts), kernels.Q8_0, np.int64)
-        kernels.matvec(types, parts, np.arange(len(parts) + 1), x, out[0], kernels.F16_TABLE, 1)
-    kernels.dequantize_range(kernels.Q8_0, data, 0, out, kernels.F16_TABLE, HALF)
-    kernels.dequantize_rows(kernels.Q8_0, data, np.zeros(1, np.int64), out, kernels.F16_TABLE, HALF)
+    matrix = QuantizedMatrix("warm-up", np.zeros((1, 34), np.uint8), kernels.Q8_0, (1, 32))  # a Q8_0 block
+    x = np.zeros((2, 32), np.float32)
+    _matvec(matrix._groups, x, np.zeros((1, 1), np.float32))
+    _small_batch(matrix._groups, x, np.zeros((2, 1), np.float32))
+    tile = np.zeros((1, 32), np.float32)
+    kernels.dequantize_tile(kernels.Q8_0, matrix.data, 0, tile, kernels.F16_TABLE, HALF)
+    kernels.dequantize_rows(kernels.Q8_0, matrix.data, np.zeros(1, np.int64), tile, kernels.F16_TABLE, HALF)
+    from ember import ops
+    from ember.quant import token_ops
+
+    token_ops.warm_up()
+    ops.use_token_ops(token_ops)

@@ -1,9 +1,12 @@
 """16-lane vector primitives for the matrix-vector kernels, written as LLVM IR (numba intrinsics).
 
 Each primitive takes 16 quantized values from a row's bytes, turns them into float32 lanes and adds
-`scale · value · x` to the 16 float32 accumulators `acc[0:16]`:
+`scale · value · x` to 16 float32 accumulators `acc[acc_at : acc_at+16]`:
 
-    acc[i] += scale · q[i] · x[x_at + i]        for i in 0…15
+    acc[acc_at + i] += scale · q[i] · x[x_at + i]        for i in 0…15
+
+The callers spread consecutive primitives over several such banks (`kernels.ACC_LANES`), so that
+each addition does not wait for the one before it (one bank: a chain of dependent adds per row).
 
 Why IR and not numba loops: LLVM vectorizes numba's loops over a 16- or 32-value block poorly (it
 unrolls constant trip counts into scalar code, and checks for aliasing at run time on every block).
@@ -22,6 +25,9 @@ from numba.extending import intrinsic
 
 LANES = 16
 _F32, _I8, _I16, _I32, _I64 = ir.FloatType(), ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+
+
+_ONE = ir.Constant(_F32, 1.0)
 
 
 def _canonical(context, builder, sig, args):
@@ -52,9 +58,9 @@ def _splat(builder, value, element: ir.Type = _F32):
                                   ir.Constant(_vector(_I32), [0] * LANES))
 
 
-def _accumulate(context, builder, acc_type, acc, x_type, x, x_at, values, scale) -> None:
-    """acc[0:16] += values · x[x_at:x_at+16] · scale (values: a float vector)."""
-    acc_pointer = _lanes(context, builder, acc_type, acc, ir.Constant(_I64, 0), _F32)
+def _accumulate(context, builder, acc_type, acc, acc_at, x_type, x, x_at, values, scale) -> None:
+    """acc[acc_at:acc_at+16] += values · x[x_at:x_at+16] · scale (values: a float vector)."""
+    acc_pointer = _lanes(context, builder, acc_type, acc, acc_at, _F32)
     x_lanes = builder.load(_lanes(context, builder, x_type, x, x_at, _F32), align=4)
     product = builder.fmul(builder.fmul(values, x_lanes), _splat(builder, scale))
     builder.store(builder.fadd(builder.load(acc_pointer, align=4), product), acc_pointer, align=4)
@@ -80,131 +86,153 @@ def _floats(builder, integers):
 
 
 @intrinsic
-def fma_nibbles(typingctx, acc, src, at, x, low_at, high_at, low_scale, high_scale):
-    """acc += low_scale · (src[at+i] & 15) · x[low_at+i] + high_scale · (src[at+i] >> 4) · x[high_at+i]."""
-    signature = types.void(acc, src, at, x, low_at, high_at, low_scale, high_scale)
+def fma_nibbles(typingctx, acc, acc_at, src, at, x, low_at, high_at, low_scale, high_scale):
+    """acc[acc_at+i] += low_scale · (src[at+i] & 15) · x[low_at+i];
+    acc[acc_at+16+i] += high_scale · (src[at+i] >> 4) · x[high_at+i]."""
+    signature = types.void(acc, acc_at, src, at, x, low_at, high_at, low_scale, high_scale)
 
     def codegen(context, builder, sig, args):
         args = _canonical(context, builder, sig, args)
-        acc_v, src_v, at_v, x_v, low_v, high_v, low_s, high_s = args
-        acc_t, src_t, _, x_t = sig.args[:4]
+        acc_v, acc_at_v, src_v, at_v, x_v, low_v, high_v, low_s, high_s = args
+        acc_t, _, src_t, _, x_t = sig.args[:5]
         q = _bytes(context, builder, src_t, src_v, at_v)
         low = _floats(builder, builder.and_(q, _const(15)))
         high = _floats(builder, builder.lshr(q, _const(4)))
-        _accumulate(context, builder, acc_t, acc_v, x_t, x_v, low_v, low, low_s)
-        _accumulate(context, builder, acc_t, acc_v, x_t, x_v, high_v, high, high_s)
+        _accumulate(context, builder, acc_t, acc_v, acc_at_v, x_t, x_v, low_v, low, low_s)
+        high_acc = builder.add(acc_at_v, ir.Constant(_I64, LANES))
+        _accumulate(context, builder, acc_t, acc_v, high_acc, x_t, x_v, high_v, high, high_s)
+        return context.get_dummy_value()
+
+    return signature, codegen
+
+
+def _five_bit_pair(context, builder, sig, args, low_fifth, high_fifth) -> None:
+    """The shared end of the two fma_nibbles_* primitives: nibbles with their fifth bits (0/1 lanes)."""
+    acc_v, acc_at_v, src_v, at_v = args[:4]
+    x_v, low_v, high_v, low_s, high_s = args[-5:]
+    acc_t, _, src_t = sig.args[:3]
+    x_t = sig.args[-5]
+    q = _bytes(context, builder, src_t, src_v, at_v)
+    low = builder.or_(builder.and_(q, _const(15)), builder.shl(low_fifth, _const(4)))
+    high = builder.or_(builder.lshr(q, _const(4)), builder.shl(high_fifth, _const(4)))
+    _accumulate(context, builder, acc_t, acc_v, acc_at_v, x_t, x_v, low_v, _floats(builder, low), low_s)
+    high_acc = builder.add(acc_at_v, ir.Constant(_I64, LANES))
+    _accumulate(context, builder, acc_t, acc_v, high_acc, x_t, x_v, high_v, _floats(builder, high), high_s)
+
+
+@intrinsic
+def fma_nibbles_word_bits(typingctx, acc, acc_at, src, at, word, x, low_at, high_at, low_scale, high_scale):
+    """As fma_nibbles with fifth bits from a 32-bit word (Q5_0, Q5_1): lane i's low value is
+    (src[at+i] & 15) | bit i of word << 4, its high value (src[at+i] >> 4) | bit 16+i << 4."""
+    signature = types.void(acc, acc_at, src, at, word, x, low_at, high_at, low_scale, high_scale)
+
+    def codegen(context, builder, sig, args):
+        args = _canonical(context, builder, sig, args)
+        word = _int_splat(builder, args[4])
+        lanes = ir.Constant(_vector(_I32), list(range(LANES)))
+        low_fifth = builder.and_(builder.lshr(word, lanes), _const(1))
+        high_fifth = builder.and_(builder.lshr(word, builder.add(lanes, _const(16))), _const(1))
+        _five_bit_pair(context, builder, sig, args, low_fifth, high_fifth)
         return context.get_dummy_value()
 
     return signature, codegen
 
 
 @intrinsic
-def fma_signed_bytes(typingctx, acc, src, at, x, x_at, scale):
-    """acc += scale · int8(src[at+i]) · x[x_at+i] (Q8_0)."""
-    signature = types.void(acc, src, at, x, x_at, scale)
+def fma_nibbles_masked(typingctx, acc, acc_at, src, at, bits_at, low_mask, high_mask, x, low_at, high_at,
+                       low_scale, high_scale):
+    """As fma_nibbles with fifth bits from bytes (Q5_K): lane i's low value is (src[at+i] & 15) | 16 if
+    src[bits_at+i] & low_mask, its high value (src[at+i] >> 4) | 16 if src[bits_at+i] & high_mask."""
+    signature = types.void(acc, acc_at, src, at, bits_at, low_mask, high_mask, x, low_at, high_at,
+                           low_scale, high_scale)
 
     def codegen(context, builder, sig, args):
         args = _canonical(context, builder, sig, args)
-        acc_v, src_v, at_v, x_v, x_at_v, scale_v = args
-        acc_t, src_t, _, x_t = sig.args[:4]
+        bits = _bytes(context, builder, sig.args[2], args[2], args[4])
+        zero = _const(0)
+
+        def fifth(mask):
+            is_set = builder.icmp_unsigned("!=", builder.and_(bits, _int_splat(builder, mask)), zero)
+            return builder.zext(is_set, _vector(_I32))
+
+        _five_bit_pair(context, builder, sig, args, fifth(args[5]), fifth(args[6]))
+        return context.get_dummy_value()
+
+    return signature, codegen
+
+
+@intrinsic
+def fma_signed_bytes(typingctx, acc, acc_at, src, at, x, x_at, scale):
+    """acc += scale · int8(src[at+i]) · x[x_at+i] (Q8_0)."""
+    signature = types.void(acc, acc_at, src, at, x, x_at, scale)
+
+    def codegen(context, builder, sig, args):
+        args = _canonical(context, builder, sig, args)
+        acc_v, acc_at_v, src_v, at_v, x_v, x_at_v, scale_v = args
+        acc_t, _, src_t, _, x_t = sig.args[:5]
         q = builder.load(_lanes(context, builder, src_t, src_v, at_v, _I8), align=1)
         values = builder.sitofp(q, _vector(_F32))
-        _accumulate(context, builder, acc_t, acc_v, x_t, x_v, x_at_v, values, scale_v)
+        _accumulate(context, builder, acc_t, acc_v, acc_at_v, x_t, x_v, x_at_v, values, scale_v)
         return context.get_dummy_value()
 
     return signature, codegen
 
 
 @intrinsic
-def fma_word_bits(typingctx, acc, word, first_bit, x, x_at, scale):
-    """acc += scale · bit (first_bit + i) of `word` · x[x_at+i] (the fifth bits of Q5_0/Q5_1)."""
-    signature = types.void(acc, word, first_bit, x, x_at, scale)
-
-    def codegen(context, builder, sig, args):
-        args = _canonical(context, builder, sig, args)
-        acc_v, word_v, first_v, x_v, x_at_v, scale_v = args
-        acc_t, _, _, x_t = sig.args[:4]
-        shifts = builder.add(_int_splat(builder, first_v), ir.Constant(_vector(_I32), list(range(LANES))))
-        bits = builder.and_(builder.lshr(_int_splat(builder, word_v), shifts), _const(1))
-        _accumulate(context, builder, acc_t, acc_v, x_t, x_v, x_at_v, _floats(builder, bits), scale_v)
-        return context.get_dummy_value()
-
-    return signature, codegen
-
-
-@intrinsic
-def fma_masked_bytes(typingctx, acc, src, at, mask, x, x_at, scale):
-    """acc += scale · (1 if src[at+i] & mask else 0) · x[x_at+i] (the fifth bits of Q5_K)."""
-    signature = types.void(acc, src, at, mask, x, x_at, scale)
-
-    def codegen(context, builder, sig, args):
-        args = _canonical(context, builder, sig, args)
-        acc_v, src_v, at_v, mask_v, x_v, x_at_v, scale_v = args
-        acc_t, src_t, _, _, x_t = sig.args[:5]
-        q = _bytes(context, builder, src_t, src_v, at_v)
-        set_bits = builder.icmp_unsigned("!=", builder.and_(q, _int_splat(builder, mask_v)), _const(0))
-        values = _floats(builder, builder.zext(set_bits, _vector(_I32)))
-        _accumulate(context, builder, acc_t, acc_v, x_t, x_v, x_at_v, values, scale_v)
-        return context.get_dummy_value()
-
-    return signature, codegen
-
-
-@intrinsic
-def fma_six_bits(typingctx, acc, src, low_at, low_shift, high_at, high_shift, x, x_at, scale):
+def fma_six_bits(typingctx, acc, acc_at, src, low_at, low_shift, high_at, high_shift, x, x_at, scale):
     """acc += scale · (((src[low_at+i] >> low_shift) & 15) | (((src[high_at+i] >> high_shift) & 3) << 4))
     · x[x_at+i] (Q6_K, before its −32 offset)."""
-    signature = types.void(acc, src, low_at, low_shift, high_at, high_shift, x, x_at, scale)
+    signature = types.void(acc, acc_at, src, low_at, low_shift, high_at, high_shift, x, x_at, scale)
 
     def codegen(context, builder, sig, args):
         args = _canonical(context, builder, sig, args)
-        acc_v, src_v, low_at_v, low_shift_v, high_at_v, high_shift_v, x_v, x_at_v, scale_v = args
-        acc_t, src_t = sig.args[:2]
-        x_t = sig.args[6]
+        acc_v, acc_at_v, src_v, low_at_v, low_shift_v, high_at_v, high_shift_v, x_v, x_at_v, scale_v = args
+        acc_t, _, src_t = sig.args[:3]
+        x_t = sig.args[7]
         low_bits = builder.lshr(_bytes(context, builder, src_t, src_v, low_at_v),
                                 _int_splat(builder, low_shift_v))
         high_bits = builder.lshr(_bytes(context, builder, src_t, src_v, high_at_v),
                                  _int_splat(builder, high_shift_v))
         q = builder.or_(builder.and_(low_bits, _const(15)),
                         builder.shl(builder.and_(high_bits, _const(3)), _const(4)))
-        _accumulate(context, builder, acc_t, acc_v, x_t, x_v, x_at_v, _floats(builder, q), scale_v)
+        _accumulate(context, builder, acc_t, acc_v, acc_at_v, x_t, x_v, x_at_v, _floats(builder, q), scale_v)
         return context.get_dummy_value()
 
     return signature, codegen
 
 
 @intrinsic
-def fma_half_floats(typingctx, acc, src, at, x, x_at):
+def fma_half_floats(typingctx, acc, acc_at, src, at, x, x_at):
     """acc += f16(src[at + 2i : at + 2i + 2]) · x[x_at+i] (F16 weights, converted by the CPU's f16c)."""
-    signature = types.void(acc, src, at, x, x_at)
+    signature = types.void(acc, acc_at, src, at, x, x_at)
 
     def codegen(context, builder, sig, args):
         args = _canonical(context, builder, sig, args)
-        acc_v, src_v, at_v, x_v, x_at_v = args
-        acc_t, src_t, _, x_t = sig.args[:4]
+        acc_v, acc_at_v, src_v, at_v, x_v, x_at_v = args
+        acc_t, _, src_t, _, x_t = sig.args[:5]
         data = context.make_array(src_t)(context, builder, src_v).data
         pointer = builder.bitcast(builder.gep(data, [at_v]), ir.PointerType(_vector(ir.HalfType())))
         values = builder.fpext(builder.load(pointer, align=1), _vector(_F32))
-        _accumulate(context, builder, acc_t, acc_v, x_t, x_v, x_at_v, values, ir.Constant(_F32, 1.0))
+        _accumulate(context, builder, acc_t, acc_v, acc_at_v, x_t, x_v, x_at_v, values, _ONE)
         return context.get_dummy_value()
 
     return signature, codegen
 
 
 @intrinsic
-def fma_brain_floats(typingctx, acc, src, at, x, x_at):
+def fma_brain_floats(typingctx, acc, acc_at, src, at, x, x_at):
     """acc += bf16(src[at + 2i : at + 2i + 2]) · x[x_at+i] (BF16 weights: the top half of a float32)."""
-    signature = types.void(acc, src, at, x, x_at)
+    signature = types.void(acc, acc_at, src, at, x, x_at)
 
     def codegen(context, builder, sig, args):
         args = _canonical(context, builder, sig, args)
-        acc_v, src_v, at_v, x_v, x_at_v = args
-        acc_t, src_t, _, x_t = sig.args[:4]
+        acc_v, acc_at_v, src_v, at_v, x_v, x_at_v = args
+        acc_t, _, src_t, _, x_t = sig.args[:5]
         data = context.make_array(src_t)(context, builder, src_v).data
         pointer = builder.bitcast(builder.gep(data, [at_v]), ir.PointerType(_vector(_I16)))
         bits = builder.shl(builder.zext(builder.load(pointer, align=1), _vector(_I32)), _const(16))
         values = builder.bitcast(bits, _vector(_F32))
-        _accumulate(context, builder, acc_t, acc_v, x_t, x_v, x_at_v, values, ir.Constant(_F32, 1.0))
+        _accumulate(context, builder, acc_t, acc_v, acc_at_v, x_t, x_v, x_at_v, values, _ONE)
         return context.get_dummy_value()
 
     return signature, codegen

@@ -1,0 +1,109 @@
+"""Work that ember shares out among its own threads, with BLAS kept to one thread inside.
+
+A prefill's matrix products (tiles of W, `ember.quant.matrix`) and its attention (a KV head's queries
+of one chunk, `ember.ops.attention`) are independent pieces. `share` runs them on `threads()` threads,
+the calling thread and a kept pool, each piece calling single-threaded BLAS. Why not let BLAS (and
+numba) run their own threads: each pool busy-waits after its work (OpenBLAS's idle threads spin, as do
+OpenMP's), and on 2 cores a spinning pool takes the core the next piece of work needs. Measured on
+SmolLM2, 2 threads, 512-token prefill: 215 tokens/s with numba's parallel decoder followed by
+2-thread BLAS; a 1536×576 tile product took 5.4 ms on 2 ember threads right after a 2-thread BLAS call
+(as slow as 1 thread) and 2.9 ms after single-threaded work.
+
+`threads()` is set for a block by `ember.quant.compute_threads` (the model's `threads`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from functools import cache
+
+_threads = 1
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+_inside = threading.local()  # set while a thread runs shared work: nested `share` calls run serially
+
+
+def threads() -> int:
+    """How many threads `share` uses (1 outside `use_threads`)."""
+    return _threads
+
+
+@contextmanager
+def use_threads(count: int) -> Iterator[None]:
+    global _threads
+    saved, _threads = _threads, max(1, count)
+    try:
+        yield
+    finally:
+        _threads = saved
+
+
+def _helpers(count: int) -> ThreadPoolExecutor:
+    """The kept pool of `count` helper threads (starting threads for each product would cost more than
+    a short prompt's product)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool._max_workers != count:
+            if _pool is not None:
+                _pool.shutdown(wait=False)
+            _pool = ThreadPoolExecutor(count, thread_name_prefix="ember")
+        return _pool
+
+
+def share(work: Callable[[int], None], count: int) -> None:
+    """Run work(0), …, work(count − 1), each once, on up to `threads()` threads (the caller's among
+    them) with single-threaded BLAS; return when all are done, raising the first error."""
+    workers = min(threads(), count)
+    if workers <= 1 or getattr(_inside, "active", False):
+        with single_threaded_blas():
+            for index in range(count):
+                work(index)
+        return
+    pending = iter(range(count))
+    lock = threading.Lock()
+
+    def drain() -> None:  # the next piece nobody has taken, until none is left
+        _inside.active = True
+        try:
+            while True:
+                with lock:
+                    index = next(pending, None)
+                if index is None:
+                    return
+                work(index)
+        finally:
+            _inside.active = False
+
+    with single_threaded_blas():
+        helpers = [_helpers(workers - 1).submit(drain) for _ in range(workers - 1)]
+        try:
+            drain()
+        finally:
+            for helper in helpers:
+                helper.result()
+
+
+@cache
+def _blas_libraries() -> tuple:
+    from threadpoolctl import ThreadpoolController
+
+    return tuple(lib for lib in ThreadpoolController().lib_controllers if lib.user_api == "blas")
+
+
+@contextmanager
+def single_threaded_blas() -> Iterator[None]:
+    """BLAS on one thread inside the block, restored after: each thread that calls it then multiplies in
+    its own thread. A direct call into the BLAS library, a few microseconds (a `threadpool_limits` takes
+    10-30)."""
+    libraries = _blas_libraries()
+    previous = [lib.num_threads for lib in libraries]
+    for lib in libraries:
+        lib.set_num_threads(1)
+    try:
+        yield
+    finally:
+        for lib, count in zip(libraries, previous, strict=True):
+            lib.set_num_threads(count)
