@@ -1,7 +1,8 @@
 """Control vectors between ember and llama.cpp (llama-cpp-python 0.3.36, the `bench` extra).
 
 * A vector made in ember (mean difference of the sentiment pairs at two layers, saved as a control-vector
-  GGUF) and applied by llama.cpp (`llama_set_adapter_cvec`, fed as llama.cpp's loader fills its buffer)
+  GGUF) and applied by llama.cpp (`llama_set_adapter_cvec`, fed the buffer llama.cpp's loader fills from
+  the file, read with gguf-py's reader)
   moves llama.cpp's next-token logits the way it moves ember's: the two changes agree (cosine ≥ 0.95 on
   each prompt, ≥ 0.98 on average;
   llama.cpp multiplies with 8-bit quantized activations, ember in float32),
@@ -22,7 +23,7 @@ import pytest
 
 llama_cpp = pytest.importorskip("llama_cpp")
 
-from ember.control_vectors import llama_cpp_buffer, read_control_vector  # noqa: E402
+from ember.control_vectors import read_control_vector  # noqa: E402
 from ember.data import load_prompt_set, parse_data_spec  # noqa: E402
 from ember.experiments.steering import Steering  # noqa: E402
 from ember.experiments.study import Evaluation  # noqa: E402
@@ -38,14 +39,28 @@ def llm(smollm2_path):
                            verbose=False, seed=0)
 
 
-def llama_logits(llm, ids: list[int], directions: dict[int, np.ndarray] | None, strength: float,
+def loader_buffer(path, width: int, layer_count: int) -> np.ndarray:
+    """The buffer llama.cpp's control-vector loader (common.cpp, `llama_control_vector_load_one`) fills
+    from a file, read here with gguf-py's reader, not ember's: every `direction.<n>` tensor (n ≥ 1) at
+    row n − 1 of a [layer_count − 1, width] buffer; other tensors are ignored."""
+    import gguf
+
+    out = np.zeros((layer_count - 1, width), np.float32)
+    for tensor in gguf.GGUFReader(str(path)).tensors:
+        name, _, index = tensor.name.partition(".")
+        if name == "direction" and index.isdigit() and 1 <= int(index) < layer_count:
+            out[int(index) - 1] += np.asarray(tensor.data, np.float32).reshape(width)
+    return out
+
+
+def llama_logits(llm, ids: list[int], buffer: np.ndarray | None, strength: float,
                  layer_count: int) -> np.ndarray:
     """llama.cpp's last-position logits of `ids`, with a control vector applied as its loader applies a
     file (data starting at layer 1, scaled by the strength, every layer from 1 to the last enabled)."""
-    if directions is None:
+    if buffer is None:
         llama_cpp.llama_set_adapter_cvec(llm.ctx, None, 0, llm.n_embd(), -1, -1)
     else:
-        buffer = np.ascontiguousarray(llama_cpp_buffer(directions, layer_count) * np.float32(strength))
+        buffer = np.ascontiguousarray(buffer * np.float32(strength))
         pointer = buffer.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
         status = llama_cpp.llama_set_adapter_cvec(llm.ctx, pointer, buffer.size, buffer.shape[1], 1,
                                                   layer_count - 1)
@@ -71,8 +86,10 @@ def prompts(model) -> list[list[int]]:
     return [list(study_item(i, item, model.tokenizer).corrupted_ids) for i, item in enumerate(items)]
 
 
-def compare(model, llm, directions: dict[int, np.ndarray], strength: float) -> list[tuple[float, float]]:
-    """(cosine of the logit changes at the named layers, the same with ember one layer later) per prompt."""
+def compare(model, llm, directions: dict[int, np.ndarray], buffer: np.ndarray,
+            strength: float) -> list[tuple[float, float]]:
+    """(cosine of the logit changes at the named layers, the same with ember one layer later) per prompt:
+    ember applying `directions`, llama.cpp the loader's `buffer` of the same file."""
     layers = model.config.layer_count
     here = Steering(vector=None, layers=sorted(directions), scale=strength)
     here.directions = dict(directions)
@@ -80,7 +97,7 @@ def compare(model, llm, directions: dict[int, np.ndarray], strength: float) -> l
     later.directions = {k + 1: v for k, v in directions.items()}
     out = []
     for ids in prompts(model):
-        steered = llama_logits(llm, ids, directions, strength, layers)
+        steered = llama_logits(llm, ids, buffer, strength, layers)
         theirs = steered - llama_logits(llm, ids, None, 0, layers)
         base = ember_logits(model, None, ids)
         ours = ember_logits(model, here, ids) - base
@@ -94,9 +111,12 @@ def test_an_ember_vector_steers_llama_cpp_the_same_way(smollm2, llm, tmp_path):
     fit = Steering(layers=[6, 12], scale=1.0, save=str(tmp_path / "sentiment.gguf"))
     study = [study_item(i, item, smollm2.tokenizer) for i, item in enumerate(items)]
     drive(fit.prepare_study(study), lambda request: evaluate_request(smollm2, fit, request))
-    directions = read_control_vector(tmp_path / "sentiment.gguf")   # what llama.cpp would read
+    directions = read_control_vector(tmp_path / "sentiment.gguf")   # ember's reading of its file
     assert sorted(directions) == [6, 12]
-    agreement = compare(smollm2, llm, directions, strength=4.0)
+    config = smollm2.config
+    buffer = loader_buffer(tmp_path / "sentiment.gguf", config.hidden_size, config.layer_count)
+    assert np.count_nonzero(buffer.any(axis=1)) == 2                 # llama.cpp's: the same two layers
+    agreement = compare(smollm2, llm, directions, buffer, strength=4.0)
     print("\n  ember vector in llama.cpp: cosine of logit changes (named layers, one later):", agreement)
     assert all(same >= 0.95 for same, _ in agreement)
     assert np.mean([same for same, _ in agreement]) >= 0.98
@@ -123,8 +143,10 @@ def test_a_file_in_cvector_generator_layout_steers_ember_as_llama_cpp(smollm2, l
     directions = read_control_vector(tmp_path / "generated.gguf")
     assert sorted(directions) == list(range(1, layers))
     chosen = {layer: directions[layer] for layer in (8, 14)}  # two layers (--control-vector-layer-range);
+    buffer = loader_buffer(tmp_path / "generated.gguf", smollm2.config.hidden_size, layers)
+    buffer[[i for i in range(layers - 1) if i + 1 not in chosen]] = 0.0
     # unit directions need a strength near the residual norm to move the logits beyond quantization noise
-    agreement = compare(smollm2, llm, chosen, strength=40.0)
+    agreement = compare(smollm2, llm, chosen, buffer, strength=40.0)
     print("\n  generator-layout file: cosine of logit changes (named layers, one later):", agreement)
     assert all(same >= 0.95 for same, _ in agreement)
     assert np.mean([same for same, _ in agreement]) >= 0.98
