@@ -37,8 +37,10 @@ EXACT = {"nnan", "ninf", "nsz", "arcp"}
 # The products may be reassociated (vectorized sums) and fused: summation order is not specified.
 FAST = True
 # Accumulators of a row · vector product: 8 banks of 16 lanes, so consecutive primitives add into
-# different banks instead of waiting on each other's store.
-ACC_LANES = 128
+# different banks instead of waiting on each other's store, then 16 lanes where the K-quants add their
+# blocks' minimums or offsets times the sums of x (summed with the rest at the end of the row).
+OFFSET_LANES = simd.OFFSET_LANES
+ACC_LANES = OFFSET_LANES + 16
 
 
 @njit(inline="always")
@@ -406,63 +408,39 @@ def _dot_q8_0(src, blocks, x, sums16, acc, table):
 
 
 @njit(inline="always")
-def _dot_q4_k(src, blocks, x, sums16, acc, table):
-    offset = np.float32(0.0)
+def _dot_q4_k(src, blocks, x, sums32, sums16, scales, acc, table):
     for b in range(blocks):
         at = b * 144
-        d = _f16(table, src, at)
-        dmin = _f16(table, src, at + 2)
-        for c in range(4):
-            scale1, min1 = _scale_min_k4(2 * c, src, at + 4)
-            scale2, min2 = _scale_min_k4(2 * c + 1, src, at + 4)
-            d1, d2 = d * np.float32(scale1), d * np.float32(scale2)
-            qs, xb, k = at + 16 + 32 * c, b * 256 + 64 * c, b * 16 + 4 * c
-            bank = 64 * (c & 1)
-            simd.fma_nibbles(acc, bank, src, qs, x, xb, xb + 32, d1, d2)
-            simd.fma_nibbles(acc, bank + 32, src, qs + 16, x, xb + 16, xb + 48, d1, d2)
-            offset -= dmin * (np.float32(min1) * (sums16[k] + sums16[k + 1])
-                              + np.float32(min2) * (sums16[k + 2] + sums16[k + 3]))
-    return offset
+        simd.fma_q4_k_block(acc, src, at, x, 256 * b, _f16(table, src, at), _f16(table, src, at + 2),
+                            sums32, 8 * b)
+    return np.float32(0.0)
 
 
 @njit(inline="always")
-def _dot_q5_k(src, blocks, x, sums16, acc, table):
-    offset = np.float32(0.0)
+def _dot_q5_k(src, blocks, x, sums32, sums16, scales, acc, table):
     for b in range(blocks):
         at = b * 176
-        d = _f16(table, src, at)
-        dmin = _f16(table, src, at + 2)
-        for c in range(4):
-            scale1, min1 = _scale_min_k4(2 * c, src, at + 4)
-            scale2, min2 = _scale_min_k4(2 * c + 1, src, at + 4)
-            d1, d2 = d * np.float32(scale1), d * np.float32(scale2)
-            qs, xb, k = at + 48 + 32 * c, b * 256 + 64 * c, b * 16 + 4 * c
-            bit1, bit2 = 1 << (2 * c), 2 << (2 * c)
-            bank = 64 * (c & 1)
-            simd.fma_nibbles_masked(acc, bank, src, qs, at + 16, bit1, bit2, x, xb, xb + 32, d1, d2)
-            simd.fma_nibbles_masked(acc, bank + 32, src, qs + 16, at + 32, bit1, bit2, x, xb + 16, xb + 48,
-                                    d1, d2)
-            offset -= dmin * (np.float32(min1) * (sums16[k] + sums16[k + 1])
-                              + np.float32(min2) * (sums16[k + 2] + sums16[k + 3]))
-    return offset
+        simd.fma_q5_k_block(acc, src, at, x, 256 * b, _f16(table, src, at), _f16(table, src, at + 2),
+                            sums32, 8 * b)
+    return np.float32(0.0)
 
 
 @njit(inline="always")
-def _dot_q6_k(src, blocks, x, sums16, acc, table):
-    offset = np.float32(0.0)
+def _dot_q6_k(src, blocks, x, sums32, sums16, scales, acc, table):
     for b in range(blocks):
         at = b * 210
-        d = _f16(table, src, at + 208)
+        # scale k (= 8·half + part + 2·quarter below) covers x[16k…16k+15] of the block: −32·scale·Σx
+        simd.signed_scales(src, at + 192, _f16(table, src, at + 208), scales)
+        simd.fma_products16(acc, OFFSET_LANES, scales, 0, sums16, 16 * b, -32.0)
         for h in range(2):
-            low, high, scales = at + 64 * h, at + 128 + 32 * h, at + 192 + 8 * h
+            low, high = at + 64 * h, at + 128 + 32 * h
             for part in range(2):
                 j, xb = 16 * part, b * 256 + 128 * h + 16 * part
                 for quarter in range(4):  # values j+32·quarter: scale part+2·quarter, nibble/bits below
-                    scale = d * np.float32(np.int8(src[scales + part + 2 * quarter]))
                     simd.fma_six_bits(acc, 16 * quarter + 64 * part, src, low + j + 32 * (quarter & 1),
-                                      4 * (quarter >> 1), high + j, 2 * quarter, x, xb + 32 * quarter, scale)
-                    offset -= np.float32(32.0) * scale * sums16[(xb + 32 * quarter) // 16]
-    return offset
+                                      4 * (quarter >> 1), high + j, 2 * quarter, x, xb + 32 * quarter,
+                                      scales[8 * h + part + 2 * quarter])
+    return np.float32(0.0)
 
 
 @njit(inline="always")
@@ -496,7 +474,7 @@ def _lanes_total(acc, offset):
 
 
 @njit(inline="always")
-def _rows_dot(qtype, data, first, stop, shift, x, sums16, acc, out, table):
+def _rows_dot(qtype, data, first, stop, shift, x, sums32, sums16, scales, acc, out, table):
     """out[shift + r] = Σ_c W[r, c]·x[c] for rows first…stop−1 of `data` (block type `qtype`).
 
     The type is tested once per range, so each loop over rows holds one type's code only (testing it
@@ -506,15 +484,18 @@ def _rows_dot(qtype, data, first, stop, shift, x, sums16, acc, out, table):
     if qtype == Q4_K:
         for r in range(first, stop):
             acc[:] = 0.0
-            out[shift + r] = _lanes_total(acc, _dot_q4_k(data[r], columns // 256, x, sums16, acc, table))
+            out[shift + r] = _lanes_total(acc, _dot_q4_k(data[r], columns // 256, x, sums32, sums16,
+                                                              scales, acc, table))
     elif qtype == Q6_K:
         for r in range(first, stop):
             acc[:] = 0.0
-            out[shift + r] = _lanes_total(acc, _dot_q6_k(data[r], columns // 256, x, sums16, acc, table))
+            out[shift + r] = _lanes_total(acc, _dot_q6_k(data[r], columns // 256, x, sums32, sums16,
+                                                              scales, acc, table))
     elif qtype == Q5_K:
         for r in range(first, stop):
             acc[:] = 0.0
-            out[shift + r] = _lanes_total(acc, _dot_q5_k(data[r], columns // 256, x, sums16, acc, table))
+            out[shift + r] = _lanes_total(acc, _dot_q5_k(data[r], columns // 256, x, sums32, sums16,
+                                                              scales, acc, table))
     elif qtype == Q8_0:
         for r in range(first, stop):
             acc[:] = 0.0
@@ -569,13 +550,17 @@ def matvec(qtypes, parts, offsets, x, out, table, threads):
         for i in range(16):
             total += x[16 * k + i]
         sums16[k] = total
+    sums32 = np.zeros(columns // 32 + 8, np.float32)  # padded: a super-block reads 8 at a time
+    for k in range(columns // 32):
+        sums32[k] = sums16[2 * k] + sums16[2 * k + 1]
     workers = max(1, min(threads, rows))  # numba.get_num_threads() here would make it uncacheable
     for worker in prange(workers):
         acc = np.empty(ACC_LANES, np.float32)
+        scales = np.empty(16, np.float32)
         first, stop = rows * worker // workers, rows * (worker + 1) // workers
         for part in range(len(qtypes)):  # this worker's rows of each part
             base = offsets[part]
             start, end = max(first, base), min(stop, offsets[part + 1])
             if start < end:
-                _rows_dot(qtypes[part], parts[part], start - base, end - base, base, x, sums16, acc, out,
-                          table)
+                _rows_dot(qtypes[part], parts[part], start - base, end - base, base, x, sums32, sums16,
+                          scales, acc, out, table)

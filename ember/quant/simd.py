@@ -139,29 +139,6 @@ def fma_nibbles_word_bits(typingctx, acc, acc_at, src, at, word, x, low_at, high
 
 
 @intrinsic
-def fma_nibbles_masked(typingctx, acc, acc_at, src, at, bits_at, low_mask, high_mask, x, low_at, high_at,
-                       low_scale, high_scale):
-    """As fma_nibbles with fifth bits from bytes (Q5_K): lane i's low value is (src[at+i] & 15) | 16 if
-    src[bits_at+i] & low_mask, its high value (src[at+i] >> 4) | 16 if src[bits_at+i] & high_mask."""
-    signature = types.void(acc, acc_at, src, at, bits_at, low_mask, high_mask, x, low_at, high_at,
-                           low_scale, high_scale)
-
-    def codegen(context, builder, sig, args):
-        args = _canonical(context, builder, sig, args)
-        bits = _bytes(context, builder, sig.args[2], args[2], args[4])
-        zero = _const(0)
-
-        def fifth(mask):
-            is_set = builder.icmp_unsigned("!=", builder.and_(bits, _int_splat(builder, mask)), zero)
-            return builder.zext(is_set, _vector(_I32))
-
-        _five_bit_pair(context, builder, sig, args, fifth(args[5]), fifth(args[6]))
-        return context.get_dummy_value()
-
-    return signature, codegen
-
-
-@intrinsic
 def fma_signed_bytes(typingctx, acc, acc_at, src, at, x, x_at, scale):
     """acc += scale · int8(src[at+i]) · x[x_at+i] (Q8_0)."""
     signature = types.void(acc, acc_at, src, at, x, x_at, scale)
@@ -236,3 +213,164 @@ def fma_brain_floats(typingctx, acc, acc_at, src, at, x, x_at):
         return context.get_dummy_value()
 
     return signature, codegen
+
+
+def _shuffle(builder, vector, lanes: list[int]):
+    return builder.shuffle_vector(vector, ir.Constant(vector.type, ir.Undefined),
+                                  ir.Constant(ir.VectorType(_I32, len(lanes)), lanes))
+
+
+def _store_floats(context, builder, array_type, array, at, values) -> None:
+    data = context.make_array(array_type)(context, builder, array).data
+    pointer = builder.bitcast(builder.gep(data, [at]), ir.PointerType(values.type))
+    builder.store(values, pointer, align=4)
+
+
+def _k_scales(context, builder, src_type, src, at, d, dmin):
+    """A Q4_K/Q5_K super-block's 8 sub-block scales and minimums from its 12 packed 6-bit bytes at
+    src[at…], as float vectors (d·scale_j, −(dmin·min_j)), j = 0…7 (ggml's get_scale_min_k4: j < 4 the
+    low 6 bits of bytes j and j+4; j ≥ 4 a nibble of byte j+4 and the top 2 bits of bytes j−4 and j).
+    Reads 16 bytes from `at` (the block's quants follow its scales)."""
+    raw = builder.zext(builder.load(_lanes(context, builder, src_type, src, at, _I8), align=1), _vector(_I32))
+    eight = ir.VectorType(_I32, 8)
+
+    def const8(value: int):
+        return ir.Constant(eight, [value] * 8)
+
+    first_four = ir.Constant(ir.VectorType(ir.IntType(1), 8), [1, 1, 1, 1, 0, 0, 0, 0])
+    scale_low = _shuffle(builder, raw, [0, 1, 2, 3, 8, 9, 10, 11])
+    scale_top = _shuffle(builder, raw, [0, 1, 2, 3, 0, 1, 2, 3])
+    minimum_low = _shuffle(builder, raw, [4, 5, 6, 7, 8, 9, 10, 11])
+    minimum_top = _shuffle(builder, raw, [4, 5, 6, 7, 4, 5, 6, 7])
+    top = builder.shl(builder.lshr(scale_top, const8(6)), const8(4))
+    scale = builder.select(first_four, builder.and_(scale_low, const8(63)),
+                           builder.or_(builder.and_(scale_low, const8(15)), top))
+    top = builder.shl(builder.lshr(minimum_top, const8(6)), const8(4))
+    minimum = builder.select(first_four, builder.and_(minimum_low, const8(63)),
+                             builder.or_(builder.lshr(minimum_low, const8(4)), top))
+    floats = ir.VectorType(_F32, 8)
+
+    def times(values, factor):
+        factors = _shuffle(builder, builder.insert_element(ir.Constant(floats, ir.Undefined), factor,
+                                                           ir.Constant(_I32, 0)), [0] * 8)
+        return builder.fmul(factors, builder.uitofp(values, floats))
+
+    return times(scale, d), builder.fneg(times(minimum, dmin))
+
+
+def _add_products(context, builder, acc_type, acc, acc_at, b_type, b, b_at, values) -> None:
+    """acc[acc_at : acc_at+n] += values · b[b_at : b_at+n] (values: a float vector of n lanes)."""
+    lanes = values.type
+
+    def pointer(array_type, array, at):
+        data = context.make_array(array_type)(context, builder, array).data
+        return builder.bitcast(builder.gep(data, [at]), ir.PointerType(lanes))
+
+    product = builder.fmul(values, builder.load(pointer(b_type, b, b_at), align=4))
+    target = pointer(acc_type, acc, acc_at)
+    builder.store(builder.fadd(builder.load(target, align=4), product), target, align=4)
+
+
+def _k_block(fifth_bits: bool):
+    """The primitive for one whole Q4_K (or, with `fifth_bits`, Q5_K) super-block of 256 values."""
+
+    def typer(typingctx, acc, src, at, x, x_at, d, dmin, sums32, sums_at):
+        signature = types.void(acc, src, at, x, x_at, d, dmin, sums32, sums_at)
+
+        def codegen(context, builder, sig, args):
+            acc_v, src_v, at_v, x_v, x_at_v, d_v, dmin_v, sums_v, sums_at_v = _canonical(
+                context, builder, sig, args)
+            acc_t, src_t, _, x_t = sig.args[:4]
+            scales, minimums = _k_scales(context, builder, src_t, src_v, builder.add(at_v, _i64(4)),
+                                         d_v, dmin_v)
+            # the minimums' share: −dmin·min_j · Σ x over sub-block j, into the offset lanes
+            _add_products(context, builder, acc_t, acc_v, _i64(OFFSET_LANES), sig.args[7], sums_v,
+                          sums_at_v, minimums)
+            quants = 48 if fifth_bits else 16
+            for c in range(4):  # 64 values: 32 bytes, low nibbles sub-block 2c, high nibbles 2c+1
+                low_scale = builder.extract_element(scales, ir.Constant(_I32, 2 * c))
+                high_scale = builder.extract_element(scales, ir.Constant(_I32, 2 * c + 1))
+                for half in range(2):
+                    byte_at = builder.add(at_v, _i64(quants + 32 * c + 16 * half))
+                    q = _bytes(context, builder, src_t, src_v, byte_at)
+                    low, high = builder.and_(q, _const(15)), builder.lshr(q, _const(4))
+                    if fifth_bits:  # bit 2c / 2c+1 of the high-bit byte i (bytes 16…47 of the block)
+                        bits = _bytes(context, builder, src_t, src_v, builder.add(at_v, _i64(16 + 16 * half)))
+                        low = builder.or_(low, builder.shl(builder.and_(builder.lshr(bits, _const(2 * c)),
+                                                                         _const(1)), _const(4)))
+                        high = builder.or_(high, builder.shl(
+                            builder.and_(builder.lshr(bits, _const(2 * c + 1)), _const(1)), _const(4)))
+                    x_low = builder.add(x_at_v, _i64(64 * c + 16 * half))
+                    x_high = builder.add(x_low, _i64(32))
+                    bank = 64 * (c & 1) + 32 * half
+                    _accumulate(context, builder, acc_t, acc_v, _i64(bank), x_t, x_v, x_low,
+                                _floats(builder, low), low_scale)
+                    _accumulate(context, builder, acc_t, acc_v, _i64(bank + LANES), x_t, x_v, x_high,
+                                _floats(builder, high), high_scale)
+            return context.get_dummy_value()
+
+        return signature, codegen
+
+    typer.__name__ = typer.__qualname__ = "fma_q5_k_block" if fifth_bits else "fma_q4_k_block"
+    return typer
+
+
+def _i64(value: int):
+    return ir.Constant(_I64, value)
+
+
+# Lanes of `acc` after the 8 banks where the K-quants add their minimums/offsets times sums of x.
+OFFSET_LANES = 128
+
+fma_q4_k_block = intrinsic(_k_block(fifth_bits=False))
+fma_q4_k_block.__doc__ = """acc += one Q4_K super-block (144 bytes at src[at…]) times x[x_at : x_at+256]:
+the 8 scales and minimums decoded in registers, each sub-block's quants (d·scale_j)·q·x into the banks,
+−dmin·min_j·Σx_j (sums32[sums_at + j]) into the offset lanes."""
+fma_q5_k_block = intrinsic(_k_block(fifth_bits=True))
+fma_q5_k_block.__doc__ = "As fma_q4_k_block for a Q5_K super-block (176 bytes, fifth bits at bytes 16…47)."
+
+
+@intrinsic
+def signed_scales(typingctx, src, at, d, out):
+    """out[k] = d · int8(src[at + k]) for k = 0…15 (Q6_K's sub-block scales)."""
+    signature = types.void(src, at, d, out)
+
+    def codegen(context, builder, sig, args):
+        src_v, at_v, d_v, out_v = _canonical(context, builder, sig, args)
+        raw = builder.load(_lanes(context, builder, sig.args[0], src_v, at_v, _I8), align=1)
+        values = builder.fmul(builder.sitofp(raw, _vector(_F32)), _splat(builder, d_v))
+        _store_floats(context, builder, sig.args[3], out_v, ir.Constant(_I64, 0), values)
+        return context.get_dummy_value()
+
+    return signature, codegen
+
+
+def _products(lanes: int):
+    @intrinsic
+    def products(typingctx, acc, acc_at, a, a_at, b, b_at, factor):
+        signature = types.void(acc, acc_at, a, a_at, b, b_at, factor)
+
+        def codegen(context, builder, sig, args):
+            acc_v, acc_at_v, a_v, a_at_v, b_v, b_at_v, factor_v = _canonical(context, builder, sig, args)
+            vector = ir.VectorType(_F32, lanes)
+
+            def pointer(index, array_v, at_v):
+                data = context.make_array(sig.args[index])(context, builder, array_v).data
+                return builder.bitcast(builder.gep(data, [at_v]), ir.PointerType(vector))
+
+            factor_lanes = _shuffle(builder, builder.insert_element(
+                ir.Constant(vector, ir.Undefined), factor_v, ir.Constant(_I32, 0)), [0] * lanes)
+            product = builder.fmul(builder.fmul(builder.load(pointer(2, a_v, a_at_v), align=4),
+                                                builder.load(pointer(4, b_v, b_at_v), align=4)), factor_lanes)
+            target = pointer(0, acc_v, acc_at_v)
+            builder.store(builder.fadd(builder.load(target, align=4), product), target, align=4)
+            return context.get_dummy_value()
+
+        return signature, codegen
+
+    products.__doc__ = (f"acc[acc_at+i] += factor · a[a_at+i] · b[b_at+i] for i = 0…{lanes - 1} (a block's "
+                        "offsets or minimums times its sums of x, added up with the products' lanes)")
+    return products
+
+
+fma_products16 = _products(16)
