@@ -161,6 +161,7 @@ def plot(ladder: dict[str, Any], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
 
     models = list(ladder["models"].values())
     engines = list(models[0]["engines"]) if models else []
@@ -186,6 +187,7 @@ def plot(ladder: dict[str, Any], path: Path) -> None:
                           rotation=90, fontsize=7, va="bottom", ha="right", color="grey")
         axis.set_xscale("log")
         axis.set_yscale("log")
+        axis.xaxis.set_minor_formatter(NullFormatter())  # 2×10^8, 3×10^8, ... overlap
         axis.set_xlabel("parameters")
         axis.set_title(title)
         axis.grid(True, which="both", alpha=0.3)
