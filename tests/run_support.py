@@ -1,7 +1,9 @@
-"""Experiments used by the runner tests through `_target_: run_support.<Class>` (tests/ on the path)."""
+"""Experiments used by the runner tests through `_target_: run_support.<Class>` (tests/ on the path),
+and helpers the subprocess tests share."""
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 from ember.experiments import Experiment, ExperimentError, ExperimentResult, Metric
@@ -170,3 +172,11 @@ class WaitToBeKilledAtItem(Experiment):
         type(self).started += 1
         if type(self).started > self.items:
             wait_to_be_killed(self.folder, self.wait_seconds)
+
+
+def ctrl_c_as_in_a_terminal() -> None:
+    """`preexec_fn` of a child a test interrupts with SIGINT: Ctrl-C's default action in the child.
+    A test run started in the background (a shell's `&`, nohup, some CI runners) hands its children
+    SIGINT ignored, and Python then installs no KeyboardInterrupt handler: the interrupt would never
+    arrive (seen: the suite run from a background script failed every Ctrl-C test)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from run_support import prepared_store
+from run_support import ctrl_c_as_in_a_terminal, prepared_store
 
 REPO = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
@@ -68,7 +68,8 @@ def start(workdir: Path, *args: str) -> subprocess.Popen:
     """`python <args>` from `workdir`, checkpointing at every chance (EMBER_CHECKPOINT_SECONDS=0)."""
     env = subprocess_env(EMBER_CHECKPOINT_SECONDS="0")
     return subprocess.Popen([sys.executable, *args], cwd=workdir, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=ctrl_c_as_in_a_terminal)
 
 
 def stop_when_waiting(process: subprocess.Popen, folder: Path, sig: int) -> tuple[str, str]:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from run_support import prepared_store
+from run_support import ctrl_c_as_in_a_terminal, prepared_store
 
 from ember import run as runner
 from ember.runs import models
@@ -339,7 +339,7 @@ def start_long_run(workdir: Path, experiment: str, *extra: str, **env: str) -> s
         [sys.executable, "-m", "ember.run", "max_new_tokens=2000", "stop_at_eog=false",
          f"mlflow.experiment_name={experiment}", *extra],
         cwd=workdir, env=subprocess_env(**env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True,
+        start_new_session=True, preexec_fn=ctrl_c_as_in_a_terminal,
     )
 
 

@@ -80,16 +80,18 @@ class Checkpoints:
         if self.tracker is None or self.run_id is None:
             return
         self.writes += 1
-        self.tracker.log_json(self.run_id, {"text": self.text, "prompt_token_ids": self.prompt_ids,
-                                            "token_ids": self.token_ids, "stop_reason": state,
-                                            "complete": False}, "generation.json")
-        self.tracker.log_text(self.run_id, self.text, "generation.txt")
+        # The experiments' results first, generation.json last: a run killed between two writes never
+        # holds a generation checkpoint without the experiments' results of the same moment (or later).
         for experiment in self.experiments:
             try:
                 result = experiment.results()
             except Exception:  # an experiment that cannot report mid-way: its final results still count
                 continue
             write_partial_result(self.tracker, self.run_id, str(experiment.name), result)
+        self.tracker.log_text(self.run_id, self.text, "generation.txt")
+        self.tracker.log_json(self.run_id, {"text": self.text, "prompt_token_ids": self.prompt_ids,
+                                            "token_ids": self.token_ids, "stop_reason": state,
+                                            "complete": False}, "generation.json")
 
 
 def experiment_folder(name: str) -> str:
