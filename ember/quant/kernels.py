@@ -408,7 +408,7 @@ def _dot_q8_0(src, blocks, x, sums16, acc, table):
 
 
 @njit(inline="always")
-def _dot_q4_k(src, blocks, x, sums32, sums16, scales, acc, table):
+def _dot_q4_k(src, blocks, x, sums32, acc, table):
     for b in range(blocks):
         at = b * 144
         simd.fma_q4_k_block(acc, src, at, x, 256 * b, _f16(table, src, at), _f16(table, src, at + 2),
@@ -417,7 +417,7 @@ def _dot_q4_k(src, blocks, x, sums32, sums16, scales, acc, table):
 
 
 @njit(inline="always")
-def _dot_q5_k(src, blocks, x, sums32, sums16, scales, acc, table):
+def _dot_q5_k(src, blocks, x, sums32, acc, table):
     for b in range(blocks):
         at = b * 176
         simd.fma_q5_k_block(acc, src, at, x, 256 * b, _f16(table, src, at), _f16(table, src, at + 2),
@@ -426,7 +426,7 @@ def _dot_q5_k(src, blocks, x, sums32, sums16, scales, acc, table):
 
 
 @njit(inline="always")
-def _dot_q6_k(src, blocks, x, sums32, sums16, scales, acc, table):
+def _dot_q6_k(src, blocks, x, sums16, scales, acc, table):
     for b in range(blocks):
         at = b * 210
         # scale k (= 8·half + part + 2·quarter below) covers x[16k…16k+15] of the block: −32·scale·Σx
@@ -484,18 +484,16 @@ def _rows_dot(qtype, data, first, stop, shift, x, sums32, sums16, scales, acc, o
     if qtype == Q4_K:
         for r in range(first, stop):
             acc[:] = 0.0
-            out[shift + r] = _lanes_total(acc, _dot_q4_k(data[r], columns // 256, x, sums32, sums16,
-                                                              scales, acc, table))
+            out[shift + r] = _lanes_total(acc, _dot_q4_k(data[r], columns // 256, x, sums32, acc, table))
     elif qtype == Q6_K:
         for r in range(first, stop):
             acc[:] = 0.0
-            out[shift + r] = _lanes_total(acc, _dot_q6_k(data[r], columns // 256, x, sums32, sums16,
-                                                              scales, acc, table))
+            out[shift + r] = _lanes_total(acc, _dot_q6_k(data[r], columns // 256, x, sums16, scales, acc,
+                                                              table))
     elif qtype == Q5_K:
         for r in range(first, stop):
             acc[:] = 0.0
-            out[shift + r] = _lanes_total(acc, _dot_q5_k(data[r], columns // 256, x, sums32, sums16,
-                                                              scales, acc, table))
+            out[shift + r] = _lanes_total(acc, _dot_q5_k(data[r], columns // 256, x, sums32, acc, table))
     elif qtype == Q8_0:
         for r in range(first, stop):
             acc[:] = 0.0
