@@ -390,8 +390,10 @@ def _load_model(source: str | os.PathLike[str] | ModelFile, context_length: int 
     with compute_threads(threads), step("weights"):
         forward = family.build_forward(config, store, context_length)
         if weights == QUANTIZED:
+            from ember.quant.jit import release_compiler_pages
             from ember.quant.matrix import warm_up
 
             warm_up()  # compile the kernels now (or load them from the JIT cache), not at the first token
+            release_compiler_pages()  # LLVM is not needed again unless something new compiles
     return Model(model_file, gguf, config, tokenizer, forward, context_length, threads,
                  time.perf_counter() - started, weights)

@@ -22,9 +22,9 @@ f16 scales are read through a 65536-entry float32 table (numba has no float16 on
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
 
 from ember.quant import simd
+from ember.quant.jit import njit, prange
 
 # ggml type ids (gguf.GGMLQuantizationType values), as plain ints for the kernels.
 F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 30

@@ -20,8 +20,8 @@ the kernels compute the same Σ (scale·q)·x as multiplying by the dequantized 
 from __future__ import annotations
 
 from llvmlite import ir
-from numba import types
-from numba.extending import intrinsic
+
+from ember.quant.jit import intrinsic, types
 
 LANES = 16
 _F32, _I8, _I16, _I32, _I64 = ir.FloatType(), ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)

@@ -16,7 +16,8 @@ else (prefill batches, strided views, no numba) takes the NumPy route.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+
+from ember.quant.jit import njit
 
 # Sums may be reassociated (vectorized); no approximate functions ('afn'), no fused multiply-add
 # ('contract', so that each product rounds as NumPy's does), and NaN and infinities keep their meaning
@@ -111,5 +112,8 @@ def warm_up() -> None:
     heads = np.ones((1, 2, 8), np.float32)
     apply_rope(heads, np.ones((1, 4), np.float32), np.zeros((1, 4), np.float32), True, 8)
     cache = np.ones((1, 4, 8), np.float32)
-    attend(heads[0], cache, cache, 3, 1.0, 2, np.arange(3), 0, np.empty((2, 3), np.float32),
-           np.empty((2, 8), np.float32))
+    view = cache.view()
+    view.flags.writeable = False
+    for keys in (cache, view):  # the cache's own arrays (sliding windows) or read-only views of it
+        attend(heads[0], keys, keys, 3, 1.0, 2, np.arange(3), 0, np.empty((2, 3), np.float32),
+               np.empty((2, 8), np.float32))
