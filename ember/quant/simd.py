@@ -374,3 +374,22 @@ def _products(lanes: int):
 
 
 fma_products16 = _products(16)
+
+
+@intrinsic
+def prefetch(typingctx, array, offset):
+    """Ask the CPU to bring the cache line holding byte `offset` of `array`'s data into every cache level
+    (`llvm.prefetch`, read, locality 3: a hint, which never faults whatever the address)."""
+    signature = types.void(array, offset)
+
+    def codegen(context, builder, sig, args):
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        offset = context.cast(builder, args[1], sig.args[1], types.int64)
+        pointer = builder.bitcast(builder.gep(data, [offset]), _I8.as_pointer())
+        kind = ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32])
+        function = builder.module.globals.get("llvm.prefetch.p0i8") or ir.Function(builder.module, kind,
+                                                                                  "llvm.prefetch.p0i8")
+        builder.call(function, [pointer, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+        return context.get_dummy_value()
+
+    return signature, codegen
