@@ -31,8 +31,8 @@ MADV_PAGEOUT = 21  # <linux/mman.h>, Linux 5.4
 _LIBRARY = "libllvmlite"
 
 
-def compiler_mappings() -> list[tuple[int, int, str]]:
-    """(start, end, permissions) of this process's read-only mappings of llvmlite's library."""
+def compiler_mappings() -> list[tuple[int, int]]:
+    """(start, end) of this process's read-only mappings of llvmlite's library."""
     mappings = []
     try:
         with open("/proc/self/maps") as maps:
@@ -40,7 +40,7 @@ def compiler_mappings() -> list[tuple[int, int, str]]:
                 fields = line.split()
                 if len(fields) >= 6 and _LIBRARY in os.path.basename(fields[5]) and "w" not in fields[1]:
                     start, end = (int(value, 16) for value in fields[0].split("-"))
-                    mappings.append((start, end, fields[1]))
+                    mappings.append((start, end))
     except OSError:  # not Linux: nothing to release
         return []
     return mappings
@@ -59,7 +59,7 @@ def release_compiler_pages() -> int:
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     madvise.restype = ctypes.c_int
     released = 0
-    for start, end, _ in mappings:
+    for start, end in mappings:
         if madvise(start, end - start, MADV_PAGEOUT) == 0:  # EINVAL before Linux 5.4: keep the pages
             released += end - start
     return released
@@ -82,9 +82,10 @@ def numba_without_scipy_linalg() -> Iterator[None]:
 
 with numba_without_scipy_linalg():
     from numba import njit, prange, types
+    from numba.core import cgutils
     from numba.core.registry import cpu_target
     from numba.extending import intrinsic
 
     cpu_target.target_context.refresh()  # the CPU target's registries, scipy's probe among them
 
-__all__ = ["intrinsic", "njit", "prange", "release_compiler_pages", "types"]
+__all__ = ["cgutils", "intrinsic", "njit", "prange", "release_compiler_pages", "types"]

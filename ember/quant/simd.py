@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from llvmlite import ir
 
-from ember.quant.jit import intrinsic, types
+from ember.quant.jit import cgutils, intrinsic, types
 
 LANES = 16
 _F32, _I8, _I16, _I32, _I64 = ir.FloatType(), ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
@@ -387,8 +387,7 @@ def prefetch(typingctx, array, offset):
         offset = context.cast(builder, args[1], sig.args[1], types.int64)
         pointer = builder.bitcast(builder.gep(data, [offset]), _I8.as_pointer())
         kind = ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32])
-        function = builder.module.globals.get("llvm.prefetch.p0i8") or ir.Function(builder.module, kind,
-                                                                                  "llvm.prefetch.p0i8")
+        function = cgutils.get_or_insert_function(builder.module, kind, "llvm.prefetch.p0i8")
         builder.call(function, [pointer, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
         return context.get_dummy_value()
 
