@@ -23,7 +23,7 @@ GIB = 1 << 30
 RUNTIME_BYTES = 400 << 20
 PREFILL_ROWS = 512  # the activations counted are those of a prefill of this many tokens (or the context)
 QUERY_CHUNK = 128  # ember.ops.PREFILL_QUERY_CHUNK: rows of one attention score block
-TILE_BYTES = 4 << 22  # ember.quant.matrix.TILE_VALUES float32 values of decoded weights
+TILE_BYTES = 4 * 4 << 21  # up to 4 threads' scratch of ember.quant.matrix.TILE_VALUES float32 values
 # Tables read only by rows: never held as float32, even in float32 mode (unless tied to the LM head).
 ROW_TABLES = ("token_embd.weight", "per_layer_token_embd.weight")
 

@@ -9,7 +9,14 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
 from ember.quant import compute_threads, kernels
-from ember.quant.matrix import SMALL_BATCH, TILE_VALUES, QuantizedMatrix, StackedMatrix, tile_rows
+from ember.quant.matrix import (
+    SMALL_BATCH,
+    TILE_VALUES,
+    TRANSPOSED_BELOW,
+    QuantizedMatrix,
+    StackedMatrix,
+    tile_rows,
+)
 from ember.weights import KERNEL_TYPES
 
 RNG = np.random.default_rng(11)
@@ -60,7 +67,7 @@ def test_every_block_type_decodes_like_gguf_py_and_multiplies_like_float32(qtype
 
     exact = expected.astype(np.float64)
     # decode's matrix-vector kernel, a short prompt's row-by-row kernel, prefill tiles through BLAS
-    for tokens in (1, 7, SMALL_BATCH + 3):
+    for tokens in (1, 7, SMALL_BATCH + 3, TRANSPOSED_BELOW):
         x = RNG.standard_normal((tokens, columns)).astype(np.float32)
         got = matrix.matmul(x, np.zeros((tokens, rows), np.float32))
         reference = x.astype(np.float64) @ exact.T
@@ -77,7 +84,8 @@ def test_stacked_parts_of_two_types_multiply_into_their_columns(monkeypatch):
              for i, qtype in enumerate((Q.Q4_K, Q.Q8_0))]
     stacked = StackedMatrix(parts)
     weight = np.concatenate([reference_values(Q(p.ggml_type), p.data) for p in parts])
-    for tokens in (SMALL_BATCH + 1, 9, 1):  # prefill tiles; a short prompt's and decode's one kernel call
+    # prefill tiles as tile · xᵀ and as x · tileᵀ; a short prompt's and decode's one kernel call
+    for tokens in (SMALL_BATCH + 1, TRANSPOSED_BELOW + 5, 9, 1):
         x = RNG.standard_normal((tokens, columns)).astype(np.float32)
         out = np.full((tokens, 2 * rows), np.nan, np.float32)
         stacked.matmul(x, out)

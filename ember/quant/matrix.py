@@ -10,12 +10,14 @@ How `matmul` multiplies, by the number of activation rows T:
 * T = 1 (decode): `kernels.matvec` multiplies each weight row by x straight from its blocks.
 * T < `SMALL_BATCH` (short prompts, the evaluations of a study): `kernels.matmul_rows` decodes each
   weight row once and multiplies it by every row of x, the rows shared out among the threads.
-* more rows (prefill): W is cut into tiles of consecutive rows, a tile's size fixed by W's shape alone.
-  `ember.parallel.share` hands the tiles to the threads; each decodes one into its own reused scratch
-  (`kernels.dequantize_tile`, values bit-identical to gguf-py's) and multiplies it by single-threaded
-  BLAS (`numpy.matmul`): the products are the float32 path's up to BLAS's summation order, and the
-  same whatever the thread count (each output element comes from the same tile product). Why ember's
-  threads and not BLAS's: `ember.parallel`.
+* more rows (prefill): W is cut into tiles of consecutive rows, a tile's size fixed by W's shape alone
+  (all the parts of a stacked W in one go). `ember.parallel.share` hands the tiles to the threads;
+  each decodes one into its own reused scratch (`kernels.dequantize_tile`, values bit-identical to
+  gguf-py's) and multiplies it by x: below `TRANSPOSED_BELOW` rows with `kernels.tile_product` (x
+  transposed once per call, the products written straight into their columns), from there on by
+  single-threaded BLAS (`numpy.matmul`). Either way the products are the float32 path's up to
+  summation order, and the same whatever the thread count (each output element comes from the same
+  tile product). Why ember's threads and not BLAS's: `ember.parallel`.
 """
 
 from __future__ import annotations
@@ -29,16 +31,24 @@ from ember import parallel
 from ember.ops import linear
 from ember.quant import kernel_threads, kernels
 
-# A prefill tile holds at most TILE_VALUES weights (4 MB as float32: each thread's scratch) and, where W
+# A prefill tile holds at most TILE_VALUES weights (8 MB as float32: each thread's scratch) and, where W
 # has the rows, at least MIN_TILE_ROWS rows (BLAS is slow on narrow products), and W is cut into at
-# least MIN_TILES tiles so that 2 to 4 threads share it evenly.
-TILE_VALUES = 1 << 20
+# least MIN_TILES tiles so that 2 to 4 threads share it evenly. 2^21 and not 2^20: the 1B's ffn_down
+# (2048 x 8192) tiles get 256 rows instead of 128, 137 -> 149 GFLOP/s a core at 128 tokens (Xeon, 2026-12-02).
+TILE_VALUES = 1 << 21
 MIN_TILE_ROWS = 64
 MIN_TILES = 4
 # Below this many activation rows `kernels.matmul_rows` multiplies; from it on, tiles and BLAS. Measured
 # (2 threads, prompt tokens/s, row by row / tiles): SmolLM2 at 32 rows 327 / 229, at 64 363 / 385;
 # Gemma 3 270M at 32 368 / 283, at 48 320 / 386.
 SMALL_BATCH = 48
+# Below this many activation rows a tile is multiplied by `kernels.tile_product`, from it on by
+# OpenBLAS (x · tileᵀ), which gains on wider products. Measured on one Xeon core (2026-12-02,
+# benchmarks/results/tile-product-2026-12-02-xeon.json), GFLOP/s tile_product / OpenBLAS on the 1B's
+# 512 × 2048 and 256 × 8192 tiles: 64 tokens 171/105 and 153/106, 128 152/136 and 153/124, 192
+# 149/149 and 153/144, 256 144/154 and 155/151, 512 145/172 and 150/157. In the engine (1B shape,
+# 2 threads, prefill 128, medians of 7): 105 tok/s with OpenBLAS, 116 with tile_product.
+TRANSPOSED_BELOW = 256
 HALF = 16  # handed to the kernels at run time (see kernels._decode)
 # The kernels take the parts of a stacked weight as a tuple of exactly this many (padded with empty
 # parts): numba compiles a function once per tuple length, ~30 s each on 2 cores.
@@ -92,13 +102,52 @@ def _small_batch(groups: list[KernelGroup], x: np.ndarray, out: np.ndarray) -> n
     return out
 
 
-def _tile_buffer(values: int) -> np.ndarray:
-    """This thread's scratch for decoded tiles, grown on demand and then reused."""
-    buffer = getattr(_scratch, "buffer", None)
+def _scratch_buffer(name: str, values: int) -> np.ndarray:
+    """This thread's scratch `name` (decoded tiles, transposed products), grown on demand and reused."""
+    buffer = getattr(_scratch, name, None)
     if buffer is None or buffer.size < values:
         buffer = np.empty(values, np.float32)
-        _scratch.buffer = buffer
+        setattr(_scratch, name, buffer)
     return buffer
+
+
+def _flat_rows(out: np.ndarray) -> tuple[np.ndarray, int] | None:
+    """out's rows as one flat array from out[0, 0] (out[t, c] at t·stride + c) and the stride, for the
+    kernels to write into; None if out's values are not unit-spaced along its rows."""
+    if out.strides[1] != out.itemsize or out.strides[0] % out.itemsize:
+        return None
+    stride = out.strides[0] // out.itemsize
+    span = (out.shape[0] - 1) * stride + out.shape[1]
+    return np.lib.stride_tricks.as_strided(out, shape=(span,), strides=(out.itemsize,)), stride
+
+
+def _tiled(parts: tuple[tuple[QuantizedMatrix, int], ...], x: np.ndarray, out: np.ndarray) -> None:
+    """out[:, column + r] = x · row r of W for each (W, column) of parts: prefill's tile products, the
+    tiles of all the parts shared out among the threads at once."""
+    tokens = x.shape[0]
+    tiles = [(matrix, first, column) for matrix, column in parts
+             for first in range(0, matrix.shape[0], tile_rows(*matrix.shape))]
+    flat = _flat_rows(out) if tokens < TRANSPOSED_BELOW else None
+    if flat is not None:
+        padded = -(-tokens // 16) * 16
+        width = x.shape[1] * padded
+        transposed = _scratch_buffer("transposed", width)[:width].reshape(x.shape[1], padded)
+        kernels.transpose_tokens(x, transposed)
+
+    def tile_product(index: int) -> None:  # decode one tile into this thread's scratch, multiply it
+        matrix, first, column = tiles[index]
+        rows, columns = matrix.shape
+        step = tile_rows(rows, columns)
+        count = min(step, rows - first)
+        tile = _scratch_buffer("tile", step * columns)[: count * columns].reshape(count, columns)
+        kernels.dequantize_tile(matrix.ggml_type, matrix.data, first, tile, kernels.F16_TABLE, HALF)
+        if flat is None:
+            np.matmul(x, tile.T, out=out[:, column + first:column + first + count])
+        else:
+            partial = _scratch_buffer("partial", step * padded)
+            kernels.tile_product(tile, transposed, tokens, partial, flat[0], column + first, flat[1])
+
+    parallel.share(tile_product, len(tiles))
 
 
 class QuantizedMatrix:
@@ -130,21 +179,8 @@ class QuantizedMatrix:
         elif x.shape[0] < SMALL_BATCH:
             _small_batch(self._groups, x, out)
         else:
-            self._tiled_matmul(x, out)
+            _tiled(((self, 0),), x, out)
         return out
-
-    def _tiled_matmul(self, x: np.ndarray, out: np.ndarray) -> None:
-        rows, columns = self.shape
-        step = tile_rows(rows, columns)
-
-        def tile_product(index: int) -> None:  # decode one tile into this thread's scratch, multiply it
-            first = index * step
-            count = min(step, rows - first)
-            tile = _tile_buffer(step * columns)[: count * columns].reshape(count, columns)
-            kernels.dequantize_tile(self.ggml_type, self.data, first, tile, kernels.F16_TABLE, HALF)
-            np.matmul(x, tile.T, out=out[:, first:first + count])
-
-        parallel.share(tile_product, -(-rows // step))
 
     def rows(self, ids: np.ndarray, out: np.ndarray) -> np.ndarray:
         """out[i] = row ids[i], decoded (ids must be valid row numbers)."""
@@ -183,6 +219,9 @@ class StackedMatrix:
             return _matvec(self._groups, x, out)
         if x.shape[0] < SMALL_BATCH and self._quantized:
             return _small_batch(self._groups, x, out)
+        if self._quantized:
+            _tiled(tuple(zip(self.parts, self.offsets, strict=False)), x, out)
+            return out
         for part, start, stop in zip(self.parts, self.offsets, self.offsets[1:], strict=False):
             linear(x, part, out[:, start:stop])
         return out
@@ -200,6 +239,10 @@ def warm_up() -> None:
     tile = np.zeros((1, 32), np.float32)
     kernels.dequantize_tile(kernels.Q8_0, matrix.data, 0, tile, kernels.F16_TABLE, HALF)
     kernels.dequantize_rows(kernels.Q8_0, matrix.data, np.zeros(1, np.int64), tile, kernels.F16_TABLE, HALF)
+    transposed = np.zeros((32, 16), np.float32)
+    kernels.transpose_tokens(x, transposed)
+    kernels.transpose_tokens(np.zeros((2, 64), np.float32)[:, :32], transposed)  # x a column slice
+    kernels.tile_product(tile, transposed, 2, np.zeros(16, np.float32), np.zeros(2, np.float32), 0, 1)
     from ember import ops
     from ember.quant import token_ops
 
