@@ -92,11 +92,16 @@ def rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float, out: np.ndarr
 
 def silu_inplace(x: np.ndarray, scratch: np.ndarray) -> np.ndarray:
     """x ← x · sigmoid(x), with sigmoid(x) = (1 + tanh(x/2)) / 2, which cannot overflow."""
-    np.multiply(x, 0.5, out=scratch)
-    np.tanh(scratch, out=scratch)
-    scratch += 1.0
-    scratch *= 0.5
-    x *= scratch
+
+    def rows(start: int, stop: int) -> None:
+        y, s = x[start:stop], scratch[start:stop]
+        np.multiply(y, 0.5, out=s)
+        np.tanh(s, out=s)
+        s += 1.0
+        s *= 0.5
+        y *= s
+
+    parallel.share_ranges(x.shape[0], x.size, rows)
     return x
 
 
@@ -105,15 +110,20 @@ _GELU_C = math.sqrt(2.0 / math.pi)
 
 def gelu_tanh_inplace(x: np.ndarray, scratch: np.ndarray) -> np.ndarray:
     """x ← 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))), the exact formula HF uses."""
-    np.multiply(x, x, out=scratch)
-    scratch *= x  # in place: `0.044715 * x` would allocate an [rows, F] temporary per call
-    scratch *= 0.044715
-    scratch += x
-    scratch *= _GELU_C
-    np.tanh(scratch, out=scratch)
-    scratch += 1.0
-    scratch *= 0.5
-    x *= scratch
+
+    def rows(start: int, stop: int) -> None:
+        y, s = x[start:stop], scratch[start:stop]
+        np.multiply(y, y, out=s)
+        s *= y  # in place: `0.044715 * x` would allocate an [rows, F] temporary per call
+        s *= 0.044715
+        s += y
+        s *= _GELU_C
+        np.tanh(s, out=s)
+        s += 1.0
+        s *= 0.5
+        y *= s
+
+    parallel.share_ranges(x.shape[0], x.size, rows)
     return x
 
 
@@ -162,13 +172,19 @@ def apply_rope(
     else:
         u, v = x[:, :, :half], x[:, :, half:rope_dim]
     if decode_scratch is None:
-        cos, sin = cos[:, None, :], sin[:, None, :]
-        np.multiply(u, sin, out=scratch_a)
-        np.multiply(u, cos, out=u)
-        np.multiply(v, sin, out=scratch_b)
-        np.subtract(u, scratch_b, out=u)
-        np.multiply(v, cos, out=v)
-        np.add(v, scratch_a, out=v)
+
+        def rows(start: int, stop: int) -> None:
+            tokens = slice(start, stop)
+            uu, vv, a, b = u[tokens], v[tokens], scratch_a[tokens], scratch_b[tokens]
+            c, s = cos[tokens, None, :], sin[tokens, None, :]
+            np.multiply(uu, s, out=a)
+            np.multiply(uu, c, out=uu)
+            np.multiply(vv, s, out=b)
+            np.subtract(uu, b, out=uu)
+            np.multiply(vv, c, out=vv)
+            np.add(vv, a, out=vv)
+
+        parallel.share_ranges(x.shape[0], x.size, rows)
         return
     u_copy, v_copy, cos_heads, sin_heads, first, second = decode_scratch
     np.copyto(u_copy, u)

@@ -86,6 +86,22 @@ def share(work: Callable[[int], None], count: int) -> None:
                 helper.result()
 
 
+# Element-wise work over at least this many values is split among the threads (`share_ranges`): NumPy's
+# ufuncs and the nogil kernels run in parallel. Measured on the 1B shape, 128-token prefill, 2 threads:
+# SiLU alone took 2.3 ms a layer in one thread; a `share` costs ~20 µs.
+SPLIT_VALUES = 1 << 16
+
+
+def share_ranges(count: int, values: int, work: Callable[[int, int], None]) -> None:
+    """work(start, stop) over consecutive ranges covering range(count), one range a thread, when the
+    work touches at least SPLIT_VALUES values; else work(0, count) in this thread."""
+    pieces = min(threads(), count)
+    if values < SPLIT_VALUES or pieces <= 1:
+        work(0, count)
+        return
+    share(lambda i: work(count * i // pieces, count * (i + 1) // pieces), pieces)
+
+
 @cache
 def _blas_libraries() -> tuple:
     from threadpoolctl import ThreadpoolController
