@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import numpy as np
 
+from ember.buffers import aligned_zeros
+
 
 class KVCache:
     """Keys and values of every evaluated position, per layer.
 
-    Arrays come from np.zeros, so pages are only touched as positions are written: a long context
-    costs address space, not memory, until it is used.
+    Arrays come from np.zeros (cache-line aligned, `ember.buffers`), so pages are only touched as
+    positions are written: a long context costs address space, not memory, until it is used.
     """
 
     def __init__(self, keys: list[np.ndarray], values: list[np.ndarray]) -> None:
@@ -25,8 +27,8 @@ class KVCache:
     @classmethod
     def full(cls, layer_count: int, kv_heads: int, context_length: int, head_dim: int) -> KVCache:
         shape = (kv_heads, context_length, head_dim)
-        return cls([np.zeros(shape, np.float32) for _ in range(layer_count)],
-                   [np.zeros(shape, np.float32) for _ in range(layer_count)])
+        return cls([aligned_zeros(shape) for _ in range(layer_count)],
+                   [aligned_zeros(shape) for _ in range(layer_count)])
 
     @property
     def capacity(self) -> int:
@@ -50,8 +52,8 @@ class FullLayerKV:
 
     def __init__(self, kv_heads: int, context_length: int, head_dim: int,
                  value_dim: int | None = None) -> None:
-        self.keys = np.zeros((kv_heads, context_length, head_dim), np.float32)
-        self.values = np.zeros((kv_heads, context_length, value_dim or head_dim), np.float32)
+        self.keys = aligned_zeros((kv_heads, context_length, head_dim))
+        self.values = aligned_zeros((kv_heads, context_length, value_dim or head_dim))
         self.positions = np.arange(context_length, dtype=np.int64)
 
     def store(self, start_position: int, keys: np.ndarray,
@@ -81,8 +83,8 @@ class SlidingWindowKV:
         if window <= 0:
             raise ValueError(f"a sliding window must be positive, got {window}")
         self.window = window
-        self.keys = np.zeros((kv_heads, window, head_dim), np.float32)
-        self.values = np.zeros((kv_heads, window, value_dim or head_dim), np.float32)
+        self.keys = aligned_zeros((kv_heads, window, head_dim))
+        self.values = aligned_zeros((kv_heads, window, value_dim or head_dim))
         self.positions = np.full(window, -1, dtype=np.int64)  # −1: empty slot
         self.length = 0  # positions stored so far; the next evaluation starts here (or at 0)
 

@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from ember.buffers import aligned_zeros
 from ember.config import MetadataReader, ModelConfig, RopeLayout
 from ember.errors import GGUFError
 from ember.experiments.context import ExecutionPhase, ModelFamily
@@ -315,37 +316,36 @@ class Workspace:
         kv_width = max(n * hd for n, hd in zip(c.layer_kv_heads, c.layer_head_dims, strict=True))
         F = c.feed_forward_length
         half = max(c.rope_dim, c.rope_dim_swa) // 2
-        f32 = np.float32
         self.rows = rows
-        self.hidden = np.zeros((rows, H), f32)
-        self.normed = np.zeros((rows, H), f32)
-        self.row_scratch = np.zeros((rows, 1), f32)
-        self.projection = np.zeros(rows * (q_width + 2 * kv_width), f32)
-        self.values = np.zeros(rows * kv_width, f32)  # V copied from the raw K when attn_v is absent
-        self.head_scratch = np.zeros((rows, max(n_head, c.head_count_kv), 1), f32)
-        self.rope_a = np.zeros(rows * n_head * half, f32)
-        self.rope_b = np.zeros_like(self.rope_a)
-        self.positions = np.zeros((rows, 1), f32)
-        self.cos_full = np.zeros((rows, c.rope_dim // 2), f32)
-        self.sin_full = np.zeros_like(self.cos_full)
-        self.cos_swa = np.zeros((rows, c.rope_dim_swa // 2), f32)
-        self.sin_swa = np.zeros_like(self.cos_swa)
-        self.heads = np.zeros(rows * q_width, f32)
-        self.attention_output = np.zeros((rows, H), f32)
-        self.gate_up = np.zeros(rows * 2 * F, f32)
-        self.mlp_scratch = np.zeros(rows * F, f32)
-        self.mlp_output = np.zeros((rows, H), f32)
-        self.ple = np.zeros((rows, L, P), f32)
-        self.ple_identity = np.zeros((rows, L * P), f32)
-        self.ple_row_scratch = np.zeros((rows, L, 1), f32)
-        self.ple_gate = np.zeros((rows, P), f32)
-        self.ple_scratch = np.zeros((rows, P), f32)
-        self.ple_output = np.zeros((rows, H), f32)
-        self.score_buffer = np.zeros(n_head * max_keys, f32) if rows == 1 else None
-        self.score_scratch = np.zeros(n_head, f32) if rows == 1 else None
-        self.final_normed = np.zeros((1, H), f32)
-        self.final_row_scratch = np.zeros((1, 1), f32)
-        self.logits = np.zeros((1, c.vocab_size), f32)
+        self.hidden = aligned_zeros((rows, H))
+        self.normed = aligned_zeros((rows, H))
+        self.row_scratch = aligned_zeros((rows, 1))
+        self.projection = aligned_zeros(rows * (q_width + 2 * kv_width))
+        self.values = aligned_zeros(rows * kv_width)  # V copied from the raw K when attn_v is absent
+        self.head_scratch = aligned_zeros((rows, max(n_head, c.head_count_kv), 1))
+        self.rope_a = aligned_zeros(rows * n_head * half)
+        self.rope_b = aligned_zeros(self.rope_a.shape)
+        self.positions = aligned_zeros((rows, 1))
+        self.cos_full = aligned_zeros((rows, c.rope_dim // 2))
+        self.sin_full = aligned_zeros(self.cos_full.shape)
+        self.cos_swa = aligned_zeros((rows, c.rope_dim_swa // 2))
+        self.sin_swa = aligned_zeros(self.cos_swa.shape)
+        self.heads = aligned_zeros(rows * q_width)
+        self.attention_output = aligned_zeros((rows, H))
+        self.gate_up = aligned_zeros(rows * 2 * F)
+        self.mlp_scratch = aligned_zeros(rows * F)
+        self.mlp_output = aligned_zeros((rows, H))
+        self.ple = aligned_zeros((rows, L, P))
+        self.ple_identity = aligned_zeros((rows, L * P))
+        self.ple_row_scratch = aligned_zeros((rows, L, 1))
+        self.ple_gate = aligned_zeros((rows, P))
+        self.ple_scratch = aligned_zeros((rows, P))
+        self.ple_output = aligned_zeros((rows, H))
+        self.score_buffer = aligned_zeros(n_head * max_keys) if rows == 1 else None
+        self.score_scratch = aligned_zeros(n_head) if rows == 1 else None
+        self.final_normed = aligned_zeros((1, H))
+        self.final_row_scratch = aligned_zeros((1, 1))
+        self.logits = aligned_zeros((1, c.vocab_size))
 
     def view(self, flat: np.ndarray, *shape: int) -> np.ndarray:
         """A contiguous view of the first prod(shape) values of a flat buffer."""

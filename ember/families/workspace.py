@@ -1,9 +1,9 @@
-"""Preallocated activation buffers of a decoder evaluation."""
+"""Preallocated activation buffers of a decoder evaluation, each starting on a cache line
+(`ember.buffers`: the kernels read them 64 bytes at a time)."""
 
 from __future__ import annotations
 
-import numpy as np
-
+from ember.buffers import aligned_zeros
 from ember.config import ModelConfig
 
 
@@ -17,26 +17,25 @@ class Workspace:
     def __init__(self, config: ModelConfig, rows: int, max_keys: int) -> None:
         H, F, hd = config.hidden_size, config.feed_forward_length, config.head_dim
         q_width, kv_width = config.head_count * hd, config.head_count_kv * hd
-        f32 = np.float32
         self.rows = rows
-        self.hidden = np.zeros((rows, H), f32)
-        self.normed = np.zeros((rows, H), f32)
-        self.row_scratch = np.zeros((rows, 1), f32)
-        self.qkv = np.zeros((rows, q_width + 2 * kv_width), f32)
-        self.head_scratch = np.zeros((rows, config.head_count, 1), f32)
-        self.rope_a = np.zeros((rows, config.head_count, config.rope_dim // 2), f32)
-        self.rope_b = np.zeros_like(self.rope_a)
-        self.rope_scratch = np.zeros((6, *self.rope_a.shape), f32) if rows == 1 else None
-        self.attention_heads = np.zeros((rows, q_width), f32)
-        self.attention_output = np.zeros((rows, H), f32)
-        self.gate_up = np.zeros((rows, 2 * F), f32)
-        self.mlp_scratch = np.zeros((rows, F), f32)
-        self.mlp_output = np.zeros((rows, H), f32)
+        self.hidden = aligned_zeros((rows, H))
+        self.normed = aligned_zeros((rows, H))
+        self.row_scratch = aligned_zeros((rows, 1))
+        self.qkv = aligned_zeros((rows, q_width + 2 * kv_width))
+        self.head_scratch = aligned_zeros((rows, config.head_count, 1))
+        self.rope_a = aligned_zeros((rows, config.head_count, config.rope_dim // 2))
+        self.rope_b = aligned_zeros(self.rope_a.shape)
+        self.rope_scratch = aligned_zeros((6, *self.rope_a.shape)) if rows == 1 else None
+        self.attention_heads = aligned_zeros((rows, q_width))
+        self.attention_output = aligned_zeros((rows, H))
+        self.gate_up = aligned_zeros((rows, 2 * F))
+        self.mlp_scratch = aligned_zeros((rows, F))
+        self.mlp_output = aligned_zeros((rows, H))
         group = config.head_count // config.head_count_kv
-        self.score_buffer = np.zeros(config.head_count * max_keys, f32) if rows == 1 else None
-        self.score_spread = np.zeros_like(self.score_buffer) if rows == 1 else None
-        self.head_spread = np.zeros((rows, config.head_count, hd), f32) if rows == 1 else None
-        self.score_scratch = np.zeros((config.head_count_kv, group, 1), f32) if rows == 1 else None
-        self.final_normed = np.zeros((1, H), f32)
-        self.final_row_scratch = np.zeros((1, 1), f32)
-        self.logits = np.zeros((1, config.vocab_size), f32)
+        self.score_buffer = aligned_zeros(config.head_count * max_keys) if rows == 1 else None
+        self.score_spread = aligned_zeros(self.score_buffer.shape) if rows == 1 else None
+        self.head_spread = aligned_zeros((rows, config.head_count, hd)) if rows == 1 else None
+        self.score_scratch = aligned_zeros((config.head_count_kv, group, 1)) if rows == 1 else None
+        self.final_normed = aligned_zeros((1, H))
+        self.final_row_scratch = aligned_zeros((1, 1))
+        self.logits = aligned_zeros((1, config.vocab_size))

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ember import parallel
+from ember.buffers import aligned_empty
 from ember.ops import linear
 from ember.quant import kernel_threads, kernels
 
@@ -103,10 +104,11 @@ def _small_batch(groups: list[KernelGroup], x: np.ndarray, out: np.ndarray) -> n
 
 
 def _scratch_buffer(name: str, values: int) -> np.ndarray:
-    """This thread's scratch `name` (decoded tiles, transposed products), grown on demand and reused."""
+    """This thread's scratch `name` (decoded tiles, transposed products), grown on demand and reused,
+    cache-line aligned (`ember.buffers`)."""
     buffer = getattr(_scratch, name, None)
     if buffer is None or buffer.size < values:
-        buffer = np.empty(values, np.float32)
+        buffer = aligned_empty(values)
         setattr(_scratch, name, buffer)
     return buffer
 
@@ -132,7 +134,8 @@ def _tiled(parts: tuple[tuple[QuantizedMatrix, int], ...], x: np.ndarray, out: n
         padded = -(-tokens // 16) * 16
         width = x.shape[1] * padded
         transposed = _scratch_buffer("transposed", width)[:width].reshape(x.shape[1], padded)
-        kernels.transpose_tokens(x, transposed)
+        parallel.share_ranges(x.shape[1], x.size, lambda start, stop: kernels.transpose_tokens(
+            x[:, start:stop], transposed[start:stop]))
 
     def tile_product(index: int) -> None:  # decode one tile into this thread's scratch, multiply it
         matrix, first, column = tiles[index]

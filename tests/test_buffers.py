@@ -1,0 +1,66 @@
+"""Cache-line aligned buffers and the element-wise work split among ember's threads."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ember import ops, parallel
+from ember.buffers import ALIGNMENT, aligned_empty, aligned_zeros
+from ember.config import RopeLayout
+from ember.families.workspace import Workspace
+from ember.kv_cache import KVCache
+
+
+@pytest.mark.parametrize("shape", [1, 7, 1024, 1 << 16, (3, 5), (2, 300, 64), (1 << 21,)])
+def test_aligned_buffers_start_on_a_cache_line(shape):
+    for make in (aligned_zeros, aligned_empty):
+        buffers = [make(shape) for _ in range(8)]  # the allocator's luck differs call to call
+        for buffer in buffers:
+            assert buffer.ctypes.data % ALIGNMENT == 0
+            assert buffer.dtype == np.float32 and buffer.shape == np.empty(shape).shape
+            assert buffer.flags.c_contiguous
+    assert not aligned_zeros(shape).any()
+
+
+def test_engine_buffers_are_aligned(smollm2):
+    config = smollm2._forward.config
+    workspace = Workspace(config, 3, 16)
+    arrays = [value for value in vars(workspace).values() if isinstance(value, np.ndarray)]
+    assert arrays and all(array.ctypes.data % ALIGNMENT == 0 for array in arrays)
+    cache = KVCache.full(2, 3, 16, 64)
+    assert all(array.ctypes.data % ALIGNMENT == 0 for array in cache.keys + cache.values)
+
+
+@pytest.mark.parametrize("count,values", [(1, 1 << 20), (5, 1 << 20), (128, 1 << 20), (128, 10)])
+def test_share_ranges_covers_every_index_once(count, values):
+    seen = []
+    with parallel.use_threads(2):
+        parallel.share_ranges(count, values, lambda start, stop: seen.append((start, stop)))
+    covered = sorted(i for start, stop in seen for i in range(start, stop))
+    assert covered == list(range(count))
+    assert len(seen) == (1 if values < parallel.SPLIT_VALUES or count == 1 else 2)
+
+
+def _elementwise(threads: int, x: np.ndarray) -> list[np.ndarray]:
+    results = []
+    with parallel.use_threads(threads):
+        for function in (ops.silu_inplace, ops.gelu_tanh_inplace):
+            y = x.copy()
+            function(y, np.empty_like(y))
+            results.append(y)
+        heads = x[:, :1024].reshape(x.shape[0], 16, 64).copy()
+        angles = np.linspace(0, 3, x.shape[0] * 32, dtype=np.float32).reshape(x.shape[0], 32)
+        for layout in (RopeLayout.NORM, RopeLayout.NEOX):
+            rotated = heads.copy()
+            scratch = (np.empty((x.shape[0], 16, 32), np.float32), np.empty((x.shape[0], 16, 32), np.float32))
+            ops.apply_rope(rotated, np.cos(angles), np.sin(angles), layout, 64, *scratch)
+            results.append(rotated)
+    return results
+
+
+def test_split_activations_and_rope_equal_the_single_threaded_values_bit_for_bit():
+    x = np.random.default_rng(0).standard_normal((128, 2048)).astype(np.float32) * 4
+    assert x.size >= parallel.SPLIT_VALUES  # the split path runs
+    for one, two in zip(_elementwise(1, x), _elementwise(2, x), strict=True):
+        assert np.array_equal(one, two)
