@@ -39,14 +39,15 @@ def _median_seconds(call: Any, repeats: int) -> float:
 
 def measure_one(tokens: int, rows: int, columns: int, repeats: int,
                 rng: np.random.Generator) -> dict[str, Any]:
+    from ember.buffers import aligned_empty
     from ember.quant import kernels
     from ember.quant.matrix import _flat_rows
 
     x = rng.standard_normal((tokens, columns), dtype=np.float32)
     tile = rng.standard_normal((rows, columns), dtype=np.float32)
     padded = -(-tokens // 16) * 16
-    transposed = np.empty((columns, padded), np.float32)
-    partial = np.empty(rows * padded, np.float32)
+    transposed = aligned_empty((columns, padded))  # as the engine's scratch (`ember.buffers`)
+    partial = aligned_empty(rows * padded)
     out = np.empty((tokens, rows), np.float32)
     flat, stride = _flat_rows(out)
     kernels.transpose_tokens(x, transposed)
