@@ -165,10 +165,8 @@ def _decode_q4_k(src, first, blocks, dst, table, count):
             d2, m2 = d * np.float32(scale2), dmin * np.float32(min2)
             qs = at + 16 + 32 * c
             out = b * 256 + 64 * c
-            for j in range(count):
-                q = np.int32(src[qs + j])
-                dst[out + j] = d1 * np.float32(q & 0xF) - m1
-                dst[out + count + j] = d2 * np.float32(q >> 4) - m2
+            for j in range(0, count, 16):  # 16 bytes at a time, as 16-lane vectors
+                simd.decode_nibbles(dst, out + j, out + count + j, src, qs + j, d1, m1, d2, m2)
 
 
 @njit(fastmath=EXACT)
@@ -210,15 +208,8 @@ def _decode_q6_k(src, first, blocks, dst, table, count):
                 s2 = d * np.float32(np.int8(src[scales + part + 2]))
                 s3 = d * np.float32(np.int8(src[scales + part + 4]))
                 s4 = d * np.float32(np.int8(src[scales + part + 6]))
-                for i in range(count):
-                    j = 16 * part + i
-                    ql1 = np.int32(src[low + j])
-                    ql2 = np.int32(src[low + j + 32])
-                    qh = np.int32(src[high + j])
-                    dst[out + j] = s1 * np.float32(((ql1 & 0xF) | ((qh & 3) << 4)) - 32)
-                    dst[out + j + 32] = s2 * np.float32(((ql2 & 0xF) | (((qh >> 2) & 3) << 4)) - 32)
-                    dst[out + j + 64] = s3 * np.float32(((ql1 >> 4) | (((qh >> 4) & 3) << 4)) - 32)
-                    dst[out + j + 96] = s4 * np.float32(((ql2 >> 4) | (((qh >> 6) & 3) << 4)) - 32)
+                j = 16 * part  # columns j … j+15 of each quarter, as 16-lane vectors
+                simd.decode_six_bits(dst, out + j, src, low + j, high + j, s1, s2, s3, s4)
 
 
 # ------------------------------------------------------------------------------ 16-bit floats

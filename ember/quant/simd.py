@@ -106,6 +106,57 @@ def fma_nibbles(typingctx, acc, acc_at, src, at, x, low_at, high_at, low_scale, 
     return signature, codegen
 
 
+@intrinsic
+def decode_nibbles(typingctx, dst, low_at, high_at, src, at, low_scale, low_min, high_scale, high_min):
+    """dst[low_at+i] = low_scale · (src[at+i] & 15) − low_min;
+    dst[high_at+i] = high_scale · (src[at+i] >> 4) − high_min, for i < 16: a K-quant's nibbles decoded
+    into memory (prefill's tiles), each value one float32 product and one subtraction, as ggml's
+    dequantize_row_q4_K rounds them (no fused multiply-add). Decoding the 1B's 256 × 2048 Q4_K tiles
+    (one Xeon core): 6.0 G values/s as a numba loop, 7.6 with this; Q6_K (`decode_six_bits`) 4.9 → 5.5."""
+    signature = types.void(dst, low_at, high_at, src, at, low_scale, low_min, high_scale, high_min)
+
+    def codegen(context, builder, sig, args):
+        dst_v, low_at_v, high_at_v, src_v, at_v, low_s, low_m, high_s, high_m = _canonical(
+            context, builder, sig, args)
+        q = _bytes(context, builder, sig.args[3], src_v, at_v)
+        for nibbles, where, scale, minimum in ((builder.and_(q, _const(15)), low_at_v, low_s, low_m),
+                                               (builder.lshr(q, _const(4)), high_at_v, high_s, high_m)):
+            values = builder.fsub(builder.fmul(_splat(builder, scale), _floats(builder, nibbles)),
+                                  _splat(builder, minimum))
+            _store_floats(context, builder, sig.args[0], dst_v, where, values)
+        return context.get_dummy_value()
+
+    return signature, codegen
+
+
+@intrinsic
+def decode_six_bits(typingctx, dst, dst_at, src, low_at, high_at, s1, s2, s3, s4):
+    """16 columns of a Q6_K half-block into memory: with l1 = src[low_at+i], l2 = src[low_at+32+i] and
+    h = src[high_at+i], dst[dst_at+i] = s1 · ((l1 & 15 | (h & 3) << 4) − 32), dst[dst_at+32+i] = s2 ·
+    ((l2 & 15 | (h >> 2 & 3) << 4) − 32), dst[dst_at+64+i] = s3 · ((l1 >> 4 | (h >> 4 & 3) << 4) − 32),
+    dst[dst_at+96+i] = s4 · ((l2 >> 4 | (h >> 6) << 4) − 32), as ggml's dequantize_row_q6_K."""
+    signature = types.void(dst, dst_at, src, low_at, high_at, s1, s2, s3, s4)
+
+    def codegen(context, builder, sig, args):
+        dst_v, dst_at_v, src_v, low_v, high_v, s1_v, s2_v, s3_v, s4_v = _canonical(
+            context, builder, sig, args)
+        src_t = sig.args[2]
+        l1 = _bytes(context, builder, src_t, src_v, low_v)
+        l2 = _bytes(context, builder, src_t, src_v, builder.add(low_v, _i64(32)))
+        h = _bytes(context, builder, src_t, src_v, high_v)
+        quarters = ((builder.and_(l1, _const(15)), 0, s1_v), (builder.and_(l2, _const(15)), 2, s2_v),
+                    (builder.lshr(l1, _const(4)), 4, s3_v), (builder.lshr(l2, _const(4)), 6, s4_v))
+        for k, (low, shift, scale) in enumerate(quarters):
+            top = builder.shl(builder.and_(builder.lshr(h, _const(shift)), _const(3)), _const(4))
+            value = builder.sub(builder.or_(low, top), _const(32))
+            floats = builder.sitofp(value, _vector(_F32))
+            _store_floats(context, builder, sig.args[0], dst_v, builder.add(dst_at_v, _i64(32 * k)),
+                          builder.fmul(_splat(builder, scale), floats))
+        return context.get_dummy_value()
+
+    return signature, codegen
+
+
 def _five_bit_pair(context, builder, sig, args, low_fifth, high_fifth) -> None:
     """The shared end of the two fma_nibbles_* primitives: nibbles with their fifth bits (0/1 lanes)."""
     acc_v, acc_at_v, src_v, at_v = args[:4]
