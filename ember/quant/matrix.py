@@ -48,7 +48,9 @@ SMALL_BATCH = 48
 # benchmarks/results/tile-product-2026-12-02-xeon.json), GFLOP/s tile_product / OpenBLAS on the 1B's
 # 512 × 2048 and 256 × 8192 tiles: 64 tokens 171/105 and 153/106, 128 152/136 and 153/124, 192
 # 149/149 and 153/144, 256 144/154 and 155/151, 512 145/172 and 150/157. In the engine (1B shape,
-# 2 threads, prefill 128, medians of 7): 105 tok/s with OpenBLAS, 116 with tile_product.
+# 2 threads, prefill 128, medians of 7): 105 tok/s with OpenBLAS, 116 with tile_product. With the
+# buffers cache-line aligned (2026-12-03, tile-product-2026-12-03-xeon.json) the kernel led at every
+# length up to 512 (169/158 and 158/138 there); the hand-over stays here until measured in the engine.
 TRANSPOSED_BELOW = 256
 HALF = 16  # handed to the kernels at run time (see kernels._decode)
 # The kernels take the parts of a stacked weight as a tuple of exactly this many (padded with empty
