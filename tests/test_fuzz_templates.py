@@ -30,6 +30,9 @@ CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "co
                 {"role": "assistant", "content": "Hi!"}, {"role": "user", "content": "What is 2+2?"}]
 BULK_LIMIT = 1.0
 SLACK = 1.0  # the watchdog raises at the deadline; the interrupt lands at the next bytecode
+# An interrupt that lands in a weakref callback or __del__ is swallowed by Python (seen in CI on
+# '{{ x }}' * 300000 while compiling: 2.03 s); the watchdog raises again chat._REFIRE_SECONDS later.
+REFIRE = chat._REFIRE_SECONDS
 C_LEVEL_BOUND = 10.0  # printing a self-similar structure runs in C until the memory limit (chat.py: 2.4 s)
 # What a template that reached Python's internals would print: classes, modules, frames, code, a namespace.
 LEAKS = re.compile(r"<(class|module|frame|code|cell|code object) |mappingproxy|'__name__'|'__doc__'")
@@ -232,7 +235,7 @@ def test_resource_bombs_stop_at_the_limits(metadata, monkeypatch) -> None:
     cases = resource_bombs()
     results = [(kind, source, *outcome(metadata, source)) for kind, source in cases]
     over = [(source[:120], result[:160], round(seconds, 2)) for kind, source, result, seconds in results
-            if seconds > (C_LEVEL_BOUND if kind == "c" else BULK_LIMIT + SLACK)]
+            if seconds > (C_LEVEL_BOUND if kind == "c" else BULK_LIMIT + REFIRE + SLACK)]
     rendered = [(source[:120], result[:80]) for _, source, result, _ in results
                 if result.startswith("rendered:")]
     kinds = Counter(kind_of(result) for _, _, result, _ in results)
