@@ -12,20 +12,21 @@ from __future__ import annotations
 import numpy as np
 
 ALIGNMENT = 64  # bytes: one AVX-512 vector, one cache line
-_EXTRA = ALIGNMENT // 4
 
 
-def _aligned(raw: np.ndarray, shape: int | tuple[int, ...]) -> np.ndarray:
+def _aligned(allocate, shape: int | tuple[int, ...]) -> np.ndarray:
+    """allocate(count + 16 values), cut to start on a line: the first value at most 60 bytes in."""
     count = int(np.prod(shape))
+    raw = allocate(count + ALIGNMENT // 4, np.float32)
     start = (-raw.ctypes.data % ALIGNMENT) // 4
     return raw[start:start + count].reshape(shape)
 
 
 def aligned_empty(shape: int | tuple[int, ...]) -> np.ndarray:
     """np.empty(shape, float32), its first value on a cache line."""
-    return _aligned(np.empty(int(np.prod(shape)) + _EXTRA, np.float32), shape)
+    return _aligned(np.empty, shape)
 
 
 def aligned_zeros(shape: int | tuple[int, ...]) -> np.ndarray:
     """np.zeros(shape, float32), its first value on a cache line (pages still touched only when written)."""
-    return _aligned(np.zeros(int(np.prod(shape)) + _EXTRA, np.float32), shape)
+    return _aligned(np.zeros, shape)

@@ -192,7 +192,7 @@ def _decode_q5_k(src, first, blocks, dst, table, count):
 
 
 @njit(fastmath=EXACT)
-def _decode_q6_k(src, first, blocks, dst, table, count):
+def _decode_q6_k(src, first, blocks, dst, table, unused):
     # 210 bytes: 128 bytes of low nibbles, 64 bytes of 2-bit highs, 16 signed scales, d. Two halves of
     # 128 values; in each, byte j gives values j, j+32, j+64, j+96 (scales change every 16 values).
     for b in range(blocks):
