@@ -142,10 +142,33 @@ def perform(client: Any, op: dict[str, Any], folder: Path | None, ids: dict[str,
         # each entry: name, digest, source type, source, schema, profile, context
         inputs = [DatasetInput(Dataset(*entry[:6]), [InputTag("mlflow.data.context", entry[6])])
                   for entry in op["datasets"]]
-        client.log_inputs(run_id, inputs)
+        _log_inputs(client, run_id, inputs)
     else:
         raise ValueError(f"unknown outbox operation {kind!r}")
     return None
+
+
+# MLflow's database stores add a dataset's row (one per experiment, name and digest) by looking for it,
+# then inserting it: two runs logging the same new dataset at the same moment can both miss it, and the
+# second insert fails on the table's key. Seen: the two trials of a Ray search starting together on
+# PostgreSQL ('duplicate key value violates unique constraint "dataset_pk"', one trial FAILED), and 1 to 5
+# of 6 threads on a SQLite store. The failed call wrote nothing (its transaction was rolled back), so it is
+# made again: then it finds the row and only links the run to it.
+_DATASET_RACE = re.compile(r"dataset_pk|UNIQUE constraint failed: datasets\.|Duplicate entry .* for key "
+                           r"'(datasets\.)?PRIMARY'")
+_DATASET_ATTEMPTS = 5
+
+
+def _log_inputs(client: Any, run_id: str, inputs: list[Any]) -> None:
+    """`client.log_inputs`, made again when it lost the race to add the dataset's row (see above)."""
+    for attempt in range(1, _DATASET_ATTEMPTS + 1):
+        try:
+            client.log_inputs(run_id, inputs)
+            return
+        except Exception as error:
+            if attempt == _DATASET_ATTEMPTS or not _DATASET_RACE.search(str(error)):
+                raise
+            time.sleep(0.05 * attempt)
 
 
 def _create_run(client: Any, op: dict[str, Any]) -> str:

@@ -151,7 +151,9 @@ def _report_sweep(sweep: tracking.SweepSummary, started: float) -> int:
         say(f"ember: best trial: {sweep.best}")
     where = (f"; parent MLflow run {sweep.run_id} in {sweep.tracking_uri}" if sweep.run_id else "")
     if not sweep.ok:
-        say(f"ember: sweep finished with {len(sweep.failed_jobs)} failed job(s) of {jobs}{where}:")
+        ended = f"{sweep.error}, with" if sweep.error else "sweep finished with"
+        say(f"ember: {ended} {len(sweep.failed_jobs)} failed job(s) of {jobs}{where}"
+            + (":" if sweep.failed_jobs else ""))
         for line in sweep.failed_jobs:
             say(f"  {line}")
         return EXIT_FAILED

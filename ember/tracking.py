@@ -735,10 +735,11 @@ class SweepSummary:
     retried_jobs: tuple[str, ...] = ()
     best: str | None = None  # a search's best trial
     tracking_uri: str = ""
+    error: str | None = None  # what stopped the sweep itself (its launcher or sweeper), if anything
 
     @property
     def ok(self) -> bool:
-        return not self.failed_jobs
+        return not self.failed_jobs and self.error is None
 
 
 # The sweep this process started (main process only) and how it ended.
@@ -861,12 +862,9 @@ def finish_sweep(sweep_dir: str, *, interrupted: bool = False, error: str | None
         tracker.end_run(record["run_id"], status)
         record["closed"] = status
         sweep_record_path(folder).write_text(json.dumps(record))
-    failed_jobs = _describe_jobs(problems, overrides)
-    if error:
-        failed_jobs += (f"the sweep itself: {error}",)
-    _LAST_SWEEP = SweepSummary(record["run_id"] if record else None, len(jobs), failed_jobs,
-                               _describe_jobs(retried, overrides), best,
-                               record["tracking_uri"] if record else "")
+    _LAST_SWEEP = SweepSummary(record["run_id"] if record else None, len(jobs),
+                               _describe_jobs(problems, overrides), _describe_jobs(retried, overrides), best,
+                               record["tracking_uri"] if record else "", error)
     return _LAST_SWEEP
 
 

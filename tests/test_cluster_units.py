@@ -251,7 +251,8 @@ def test_closing_a_sweep_judges_each_job_by_its_last_attempt(tmp_path, monkeypat
     # running somewhere (a SLURM task outlives its submitter), so it is named, not closed.
     open_run = tracker.start_run("job 2", {"ember.job": "2", "ember.overrides": "layer=2"}, parent)
     summary = tracking.finish_sweep(str(sweep_dir), error="the sweep stopped before its end")
-    assert [line.split(" (")[0] for line in summary.failed_jobs[:-1]] == ["job #2"]
+    assert [line.split(" (")[0] for line in summary.failed_jobs] == ["job #2"]
+    assert summary.error == "the sweep stopped before its end" and not summary.ok
     assert "still running" in summary.failed_jobs[0]
     assert summary.retried_jobs == (f"job #1 (layer=1): retried: attempt 1 killed (run {done['1'][0]} on "
                                     f"{placement.detect().host}, pid {os.getpid()}); attempt 2 finished",)

@@ -495,6 +495,7 @@ def test_a_worker_that_dies_is_named_and_its_run_closed(workdir):
     assert done.returncode == 1
     assert "job #0 (experiments=[{_target_:run_support.HardCrash}]" in done.stderr
     assert "died" in done.stderr
+    assert "ember: the sweep stopped before its end, with 1 failed job(s) of 2" in done.stderr, done.stderr
     parent, children = sweep_runs(workdir, "t_crash")
     assert parent.info.status == "FAILED" and "job #0" in parent.data.tags["ember.sweep.failed_jobs"]
     statuses = {c.data.tags["ember.job"]: c.info.status for c in children}
