@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 
 from ember.errors import GGUFError
-from ember.experiments.context import ModelFamily
 from ember.gguf_file import GGUFFile
+from ember.phases import ModelFamily
 
 
 class RopeLayout(Enum):

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from ember.experiments.context import ExecutionPhase
+from ember.phases import ExecutionPhase
 
 SPAN_NAMES = ("load", "resolve", "gguf", "tokenizer", "weights", "generate", "tokenize", "prefill", "decode")
 

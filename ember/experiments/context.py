@@ -14,18 +14,7 @@ from typing import Any
 import numpy as np
 
 from ember.experiments.failure import ExperimentError
-
-
-class ModelFamily(Enum):
-    LLAMA = "llama"
-    QWEN3 = "qwen3"
-    GEMMA3 = "gemma3"
-    GEMMA4 = "gemma4"
-
-
-class ExecutionPhase(Enum):
-    PREFILL = "prefill"
-    DECODE = "decode"
+from ember.phases import ExecutionPhase, ModelFamily  # the engine's, shared (ember.phases)
 
 
 class TracingState(Enum):

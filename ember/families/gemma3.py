@@ -30,7 +30,6 @@ import numpy as np
 
 from ember.config import MetadataReader, ModelConfig, RopeLayout
 from ember.errors import GGUFError
-from ember.experiments.context import ExecutionPhase, ModelFamily
 from ember.families import llama
 from ember.families.head import final_norm_and_logits, readout_logits
 from ember.families.workspace import Workspace
@@ -46,6 +45,7 @@ from ember.ops import (
     rms_norm,
     rope_tables,
 )
+from ember.phases import ExecutionPhase, ModelFamily
 from ember.weights import WeightStore
 
 DEFAULT_SLIDING_PATTERN = 6  # llama.cpp's default for gemma3: five sliding layers, then one full

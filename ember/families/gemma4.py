@@ -44,11 +44,11 @@ import numpy as np
 from ember.buffers import aligned_zeros
 from ember.config import MetadataReader, ModelConfig, RopeLayout
 from ember.errors import GGUFError
-from ember.experiments.context import ExecutionPhase, ModelFamily
 from ember.families.head import final_norm_and_logits, readout_logits
 from ember.gguf_file import GGUFFile
 from ember.kv_cache import LayeredKVCache
 from ember.ops import apply_rope, attention, gather_rows, gelu_tanh_inplace, linear, rms_norm
+from ember.phases import ExecutionPhase, ModelFamily
 from ember.weights import WeightStore
 
 

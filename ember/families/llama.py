@@ -24,12 +24,12 @@ import numpy as np
 
 from ember.config import MetadataReader, ModelConfig, RopeLayout
 from ember.errors import GGUFError
-from ember.experiments.context import ExecutionPhase, ModelFamily
 from ember.families.head import final_norm_and_logits, readout_logits
 from ember.families.workspace import Workspace
 from ember.gguf_file import GGUFFile
 from ember.kv_cache import KVCache
 from ember.ops import apply_rope, attention, gather_rows, linear, rms_norm, rope_tables, silu_inplace
+from ember.phases import ExecutionPhase, ModelFamily
 from ember.weights import WeightStore
 
 FAMILY_OF_ARCHITECTURE = {"llama": ModelFamily.LLAMA, "qwen3": ModelFamily.QWEN3}

@@ -1,0 +1,23 @@
+"""The engine's two words the hook contract shares with it: which family a model is, which phase an
+evaluation is in.
+
+They live below both: the engine (`ember.config`, `ember.families`, `ember.tracing`) names them without
+importing `ember.experiments`, and the contract re-exports them (`ember.experiments.ModelFamily` and
+`ExecutionPhase` are these same classes).
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class ModelFamily(Enum):
+    LLAMA = "llama"
+    QWEN3 = "qwen3"
+    GEMMA3 = "gemma3"
+    GEMMA4 = "gemma4"
+
+
+class ExecutionPhase(Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
