@@ -50,8 +50,10 @@ SMALL_BATCH = 48
 # 149/149 and 153/144, 256 144/154 and 155/151, 512 145/172 and 150/157. In the engine (1B shape,
 # 2 threads, prefill 128, medians of 7): 105 tok/s with OpenBLAS, 116 with tile_product. With the
 # buffers cache-line aligned (2026-12-03, tile-product-2026-12-03-xeon.json) the kernel led at every
-# length up to 512 (169/158 and 158/138 there); the hand-over stays here until measured in the engine.
-TRANSPOSED_BELOW = 256
+# length up to 512 (169/158 and 158/138 there). In the engine (1B shape, 2 threads, prompt tokens/s,
+# in-process A/B alternating, medians of 7, 2026-12-03): 320 tokens 93.6 with OpenBLAS / 100.4 with
+# the kernel, 448 97.0 / 99.1, 512 94.5 / 94.2 (the transpose of x eats the kernel's lead there).
+TRANSPOSED_BELOW = 512
 HALF = 16  # handed to the kernels at run time (see kernels._decode)
 # The kernels take the parts of a stacked weight as a tuple of exactly this many (padded with empty
 # parts): numba compiles a function once per tuple length, ~30 s each on 2 cores.
