@@ -13,8 +13,7 @@ ENGINE = ["ember.config", "ember.families", "ember.ops", "ember.weights", "ember
           "ember.quant.matrix", "ember.tracing", "ember.tokenizer", "ember.phases"]
 ABOVE_THE_ENGINE = ("ember.experiments", "ember.model", "ember.run", "ember.runs", "ember.tracking",
                     "ember.studies", "ember.inspection", "ember.cli", "hydra", "omegaconf", "mlflow")
-ABOVE_THE_CONTRACT = ("ember.model", "ember.run", "ember.runs", "ember.tracking", "ember.studies",
-                      "ember.inspection", "ember.cli", "hydra", "omegaconf", "mlflow", "matplotlib")
+ABOVE_THE_CONTRACT = (*(m for m in ABOVE_THE_ENGINE if m != "ember.experiments"), "matplotlib")
 
 
 def loaded_by(*modules: str) -> list[str]:
