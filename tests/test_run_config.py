@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 from hydra import compose, initialize_config_dir
 
 from ember.errors import ConfigError, ContextLengthError
@@ -38,27 +39,26 @@ def test_default_config_is_smollm2_plain_generation():
     assert run.mlflow.enabled and run.mlflow.tracking_uri is None
 
 
-@pytest.mark.parametrize(
-    ("overrides", "names"),
-    [
-        (["experiment=activation_stats"], ["activation_stats"]),
-        (["experiment=zero_layer", "layer=7"], ["zero_layer_output"]),
-        (["experiment=stats_and_zero", "layer=3"], ["zero_layer_output", "activation_stats"]),
-        (["experiment=custom_steering"], ["experiments.steering_vector.SteeringVector"]),
-        (["experiment=steering"], ["steering"]),
-        (["experiment=logit_lens"], ["logit_lens"]),
-        (["experiment=activation_patching"], ["activation_patching"]),
-        (["experiment=ablation", "layer=7"], ["ablation"]),
-    ],
-)
-def test_every_experiment_config_composes_and_builds(overrides, names, monkeypatch):
+EXPERIMENT_CONFIGS = sorted(Path(CONF_DIR, "experiment").glob("*.yaml"))
+
+
+def test_the_experiment_configs_are_found():
+    assert {"none", "zero_layer", "steering"} <= {path.stem for path in EXPERIMENT_CONFIGS}
+
+
+@pytest.mark.parametrize("path", EXPERIMENT_CONFIGS, ids=lambda path: path.stem)
+def test_every_experiment_config_composes_and_builds(path, monkeypatch):
+    """Each conf/experiment/*.yaml, found here: a new file is a new case. `layer=7` for those that take it."""
     monkeypatch.syspath_prepend(str(REPO))  # the top-level experiments/ folder
-    run = parsed(*overrides)
-    assert [spec.label for spec in run.experiments] == names
+    entries = yaml.safe_load(path.read_text())["experiments"]
+    run = parsed(f"experiment={path.stem}", "layer=7")
+    assert [spec.label for spec in run.experiments] == [e.get("name") or e["_target_"] for e in entries]
     built = build_experiments(run.experiments, BUILTIN_EXPERIMENTS, layer_count=30)
-    assert len(built) == len(names)
-    if "layer=7" in overrides:
-        assert built[0].layers == (7,)
+    assert len(built) == len(entries)
+    for entry, experiment in zip(entries, built, strict=True):
+        if "${layer}" in (entry.get("layer"), entry.get("layers")):
+            reached = getattr(experiment, "layers", None) or (experiment.layer,)  # a researcher's: `layer`
+            assert reached == (7,), (entry, reached)
 
 
 def test_other_groups_compose():
