@@ -25,8 +25,10 @@ from ember.runconfig import MlflowSettings
 tracker = tracking.Tracker(tracking.Store(sys.argv[1]), "beats")
 run_id = tracker.start_run("doomed", {})
 print(run_id, flush=True)
-time.sleep(600)
+while True:  # until the test kills it
+    time.sleep(60)
 """
+HANG_GUARD = 300.0  # seconds to wait for what takes a fraction of one (0.2 s heartbeats), before failing
 
 
 @pytest.fixture
@@ -65,7 +67,7 @@ def test_heartbeats_advance_while_the_run_is_open(store):
     try:
         client = tracking.Tracker(tracking.Store(store), "beats").client
         first = client.get_run(run_id).data.tags["ember.heartbeat"]
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + HANG_GUARD
         while client.get_run(run_id).data.tags["ember.heartbeat"] == first and time.monotonic() < deadline:
             time.sleep(0.1)
         assert client.get_run(run_id).data.tags["ember.heartbeat"] > first
@@ -74,7 +76,7 @@ def test_heartbeats_advance_while_the_run_is_open(store):
         process.wait()
 
 
-def wait_for_a_heartbeat_after_the_start(client, run_id: str, seconds: float = 120) -> None:
+def wait_for_a_heartbeat_after_the_start(client, run_id: str, seconds: float = HANG_GUARD) -> None:
     """Until the run's heartbeat is newer than its start (the first one is taken just before the run is
     created): however slowly the busy machine runs the child's heartbeat thread."""
     deadline = time.monotonic() + seconds
@@ -135,9 +137,10 @@ def fake_run(client, experiment_id: str, tags: dict[str, str], started_seconds_a
     return client.get_run(run.info.run_id)
 
 
-def test_which_runs_count_as_dead(store):
+def test_which_runs_count_as_dead(store, monkeypatch):
     from mlflow.tracking import MlflowClient
 
+    monkeypatch.setenv("EMBER_HEARTBEAT_TIMEOUT", "86400")  # "fresh" (5 s old) stays fresh on any machine
     client = MlflowClient(store)
     experiment = client.create_experiment("judged")
     own = heartbeat.process_tags()
@@ -153,7 +156,8 @@ def test_which_runs_count_as_dead(store):
         "other node, stale heartbeat": ({**elsewhere, "ember.heartbeat": old}, True),
         "not ember's": ({"mlflow.user": "someone"}, False),
     }
-    runs = {name: fake_run(client, experiment, tags) for name, (tags, _) in cases.items()}
+    runs = {name: fake_run(client, experiment, tags, started_seconds_ago=2 * 86400)  # before `old`
+            for name, (tags, _) in cases.items()}
     repaired = {r.run_id for r in heartbeat.repair_dead_runs(client, [experiment])}
     for name, (_, dead) in cases.items():
         status = client.get_run(runs[name].info.run_id).info.status
