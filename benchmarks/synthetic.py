@@ -26,7 +26,7 @@ Facts and where they come from:
   Qwen/Qwen3-0.6B, Qwen/Qwen3-4B, google/gemma-4-E2B text_config), read as copies in public repositories.
 * Metadata keys and generated tensors (`rope_freqs.weight` for Llama 3 rope scaling and for Gemma 4's
   proportional rope): llama.cpp's converter (`conversion/llama.py`, `qwen.py`, `gemma.py`), as written
-  up in families.md and mirrored by tests/reference/gguf_writer.py and gemma4_gguf.py.
+  up in docs/families.md (§1.3, §3.4) and mirrored by tests/reference/gguf_writer.py and gemma4_gguf.py.
 * Types: llama.cpp `src/llama-quant.cpp` (the copy vendored in llama-cpp-python 0.3.36), for
   LLAMA_FTYPE_MOSTLY_Q4_K_M: default Q4_K; `output.weight`, and the token embeddings (both
   `token_embd` and `per_layer_token_embd`) when the head is tied, Q6_K (Q8_0 if a row does not split
@@ -226,7 +226,7 @@ def q4_k_m_type(name: str, shape: tuple[int, ...], *, tied: bool, attn_v: tuple[
 
 
 def llama3_rope_factors(shape: Shape) -> tuple[float, ...]:
-    """The converter's `rope_freqs.weight` for HF rope_type "llama3" (families.md §1.3)."""
+    """The converter's `rope_freqs.weight` for HF rope_type "llama3" (docs/families.md §1.3)."""
     assert shape.llama3_rope is not None
     factor, low, high, old_context = shape.llama3_rope
     factors = []

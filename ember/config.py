@@ -18,7 +18,7 @@ from ember.phases import ModelFamily
 
 
 class RopeLayout(Enum):
-    """Which head dimensions rope rotates together (families.md §0.3)."""
+    """Which head dimensions rope rotates together (docs/families.md §0.3)."""
 
     NORM = "norm"  # adjacent pairs (x[2i], x[2i+1]): llama.cpp's layout for arch `llama`
     NEOX = "neox"  # split halves (x[i], x[i + n_rot/2]): qwen3, gemma

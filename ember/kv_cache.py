@@ -67,7 +67,7 @@ class FullLayerKV:
 class SlidingWindowKV:
     """One sliding-window layer: a ring of `window` slots; slot s holds position p with p % window == s.
 
-    A query at position p sees keys p−window+1 … p (families.md §0.3), so the ring never needs more than
+    A query at position p sees keys p−window+1 … p (docs/families.md §0.3), so the ring never needs more than
     `window` slots. Evaluations must continue where the previous one stopped, or restart at 0.
 
     * one row (decode): the row is written into its slot first, then every filled slot is returned as

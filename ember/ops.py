@@ -1,4 +1,4 @@
-"""Numerical building blocks shared by the families (families.md §0.3).
+"""Numerical building blocks shared by the families (docs/families.md §0.3).
 
 Every function writes into buffers its caller owns (`out=`), so the decode path can run on a
 preallocated workspace without allocating an activation per token. Arrays are float32, rows are

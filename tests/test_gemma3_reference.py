@@ -235,7 +235,7 @@ def load_hf(path: Path) -> Any:
 
 
 def test_transformers_imports_the_config_right(model: Any, hf_model: Any) -> None:
-    """families.md §7.3: the import leaves pattern, local rope base and query scalar to class defaults;
+    """docs/families.md §5: the import leaves pattern, local rope base and query scalar to class defaults;
     check they are right for this file and agree with ember's reading of it."""
     hf, ours = hf_model.config, model.config
     assert hf.model_type == "gemma3_text"

@@ -8,7 +8,7 @@ in the prefill and every decode step crosses it. Two variants:
 * `explicit`: a per-layer pattern array, `rope.freq_base_swa` 50000, linear rope factor 4 on the full
   layers only, `final_logit_softcapping` 30.
 
-Converter facts mirrored (llama.cpp `conversion/gemma.py`, families.md §4.2): every `*norm.weight` is
+Converter facts mirrored (llama.cpp `conversion/gemma.py`, docs/families.md §4.2): every `*norm.weight` is
 stored as w + 1, the LM head is tied (no `output.weight`), norm tensors are F32.
 Also: the config reader on metadata-only files (pattern forms, the 27B attention scale, no window).
 """

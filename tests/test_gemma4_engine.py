@@ -122,7 +122,7 @@ def test_errors_name_what_is_wrong(tmp_path) -> None:
 
 
 def test_full_layer_rope_pairs_dims_0_63_with_256_319_for_a_512_head() -> None:
-    """E2B's full layers: rope_freqs = 1 for 64 entries then 1e30 (families.md §3.4)."""
+    """E2B's full layers: rope_freqs = 1 for 64 entries then 1e30 (docs/families.md §3.4)."""
     factors = np.array([1.0] * 64 + [1e30] * 192, dtype=np.float32)
     inverse = gemma4._inverse_frequencies(512, 1e6, factors)
     theta = np.float32(7.0) * inverse[None, :]

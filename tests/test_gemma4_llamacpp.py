@@ -4,7 +4,7 @@ ember's (issue 6, point 6).
 llama.cpp (llama-cpp-python 0.3.36) evaluates the prompt as one batch, then one token at a time past the
 sliding window; ember does the same. llama.cpp keeps an F16 KV cache and uses its fp16 GELU table (and
 quantizes activations for Q8_0 weights), so the check is cosine similarity and argmax agreement rather
-than a tight tolerance (families.md §0.4).
+than a tight tolerance (docs/families.md §0.4).
 """
 
 from __future__ import annotations

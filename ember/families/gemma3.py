@@ -1,4 +1,4 @@
-"""Gemma 3 (GGUF architecture `gemma3`), families.md §4 (the block skeleton of §3.6).
+"""Gemma 3 (GGUF architecture `gemma3`), docs/families.md §4 (the block skeleton of §3.6).
 
 The file's norm weights already hold 1 + w (llama.cpp's converter adds 1), so every norm multiplies by
 the stored value. Layer l is sliding or full (`attention.sliding_window_pattern`, default 6: layer l

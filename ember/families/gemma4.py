@@ -1,4 +1,4 @@
-"""Gemma 4 text decoder (GGUF architecture `gemma4`), families.md §3: the dense models (E2B/E4B with PLE
+"""Gemma 4 text decoder (GGUF architecture `gemma4`), docs/families.md §3: the dense models (E2B/E4B with PLE
 and KV sharing, and the 31B-style layout without them). Mixture-of-experts files (26B-A4B) are refused.
 
 What differs from llama/qwen3, each explicit below: a per-layer pattern of sliding-window and full

@@ -1,4 +1,4 @@
-"""LLaMA and Qwen3 (GGUF architectures `llama` and `qwen3`), families.md §1–§2.
+"""LLaMA and Qwen3 (GGUF architectures `llama` and `qwen3`), docs/families.md §1–§2.
 
 One block serves both; the differences stay explicit: `llama` keeps the GGUF-permuted Q/K rows and
 uses NORM (adjacent-pair) rope, `qwen3` normalises each Q/K head (QK-norm) and uses NEOX rope.

@@ -2,7 +2,7 @@
 
 Facts mirrored from llama.cpp's converter (`conversion/gemma.py::Gemma4Model` and its bases
 `Gemma3Model`, `TextModel`, `ModelBase.prepare_tensors` in the copy vendored in llama-cpp-python 0.3.36)
-and families.md §3:
+and docs/families.md §3:
 
 * metadata: block_count, context_length, embedding_length, feed_forward_length (an array of one value per
   layer, doubled from the first KV-shared layer on, when `use_double_wide_mlp`), head_count,

@@ -4,7 +4,7 @@
 the given HF-named weights into it (every parameter and the `layer_scalar` buffers must be covered, which
 also checks that `gemma4_gguf.hf_shapes` describes HF's real modules). `capture` runs a prefill and
 one-token decode steps on HF's own KV cache and records, per evaluation and layer, Gemma 4's boundaries
-(families.md §3.6):
+(docs/families.md §3.6):
 
 * before_layer: the residual entering the decoder layer;
 * after_attention: the output of `post_attention_layernorm` (O projection, then the post-attention norm);

@@ -1,7 +1,7 @@
 """Write a tiny HF `LlamaForCausalLM` / `Qwen3ForCausalLM` as GGUF the way llama.cpp's converter does.
 
 Facts mirrored from llama.cpp's `convert_hf_to_gguf.py` (the copy vendored in llama-cpp-python 0.3.36,
-`conversion/base.py`, `conversion/llama.py`, `conversion/qwen.py`); see also families.md §1–§2:
+`conversion/base.py`, `conversion/llama.py`, `conversion/qwen.py`); see also docs/families.md §1–§2:
 
 * tensor names: `token_embd`, `output_norm`, `output` (only when the head is not tied), and per block
   `attn_norm`, `attn_q`, `attn_k`, `attn_v`, `attn_output`, `attn_q_norm`/`attn_k_norm` (qwen3),

@@ -4,7 +4,7 @@ Per evaluation (the prompt as one batch, then one token at a time against HF's K
 the residual entering the layer, the `self_attn` output (O-projection, before the residual add), the
 `mlp` output (before the residual add) and the layer output; then the final-norm hidden state and the
 logits, all for every row of the evaluation. Hooks are used rather than `output_hidden_states`, whose
-last entry is the final-norm state, not the last layer's output (families.md §0.5).
+last entry is the final-norm state, not the last layer's output (docs/families.md §0.5).
 """
 
 from __future__ import annotations
