@@ -35,7 +35,8 @@ def log_at_once(uri: str, experiment_id: str, run_ids: list[str], digest: str) -
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join(timeout=120)
+        thread.join(timeout=300)  # a guard against a hang: each job takes well under a second
+    assert not any(thread.is_alive() for thread in threads), "a job never finished"
     return errors
 
 
