@@ -180,3 +180,33 @@ def ctrl_c_as_in_a_terminal() -> None:
     SIGINT ignored, and Python then installs no KeyboardInterrupt handler: the interrupt would never
     arrive (seen: the suite run from a background script failed every Ctrl-C test)."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+class PauseAtDecode(Experiment):
+    """At decode evaluation number `decode_step` (by then that many tokens were generated), creates
+    `folder/paused` and waits until `folder/resume` exists (at most `wait_seconds`), then goes on: a test
+    acts on the run at a known point (stops a server, say) however fast the machine generates."""
+
+    name = "pause_at_decode"
+    may_write = False
+
+    def __init__(self, folder: str, decode_step: int = 1, wait_seconds: float = 300.0) -> None:
+        self.folder = Path(folder)
+        self.decode_step = decode_step
+        self.wait_seconds = wait_seconds
+        self.decodes = 0
+
+    def after_layer(self, ctx: LayerContext, hidden: TensorAccess) -> None:
+        if ctx.execution.phase is not ExecutionPhase.DECODE or ctx.layer_index != 0:
+            return
+        self.decodes += 1
+        if self.decodes != self.decode_step:
+            return
+        import time
+
+        (self.folder / "paused").touch()
+        deadline = time.monotonic() + self.wait_seconds
+        while not (self.folder / "resume").exists():
+            if time.monotonic() > deadline:
+                raise ExperimentError(f"waited {self.wait_seconds} s and nobody let this run resume")
+            time.sleep(0.05)

@@ -348,29 +348,37 @@ def test_a_server_that_dies_mid_run_loses_and_duplicates_nothing(tmp_path, smoll
     server = start_server(tmp_path, port)
     work = tmp_path / "work"
     work.mkdir()
-    tokens = 300
+    tokens = 40  # checkpointed at every one: the journal grows with each (300 took over 13 min here)
+    pause = tmp_path / "pause"
+    pause.mkdir()
+    pausing = f"{{_target_:run_support.PauseAtDecode,folder:'{pause}',decode_step:3}}"
+    experiments = f"[{{name:activation_stats}},{pausing}]"
     process = subprocess.Popen(
         [sys.executable, "-m", "ember.run", f"max_new_tokens={tokens}", "stop_at_eog=false",
-         "experiment=activation_stats", f"mlflow.tracking_uri={base}", "mlflow.experiment_name=t_outage"],
-        cwd=work, env=subprocess_env(EMBER_CHECKPOINT_SECONDS="0.5", MLFLOW_HTTP_REQUEST_MAX_RETRIES="1"),
+         f"experiments={experiments}", f"mlflow.tracking_uri={base}", "mlflow.experiment_name=t_outage"],
+        cwd=work, env=subprocess_env(EMBER_CHECKPOINT_SECONDS="0", MLFLOW_HTTP_REQUEST_MAX_RETRIES="1"),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
+        # the run pauses after 3 tokens (checkpointed at each), so the server stops mid-run on any machine;
+        # the deadline guards against a hang, it judges no speed
         deadline = time.monotonic() + 600
         run_id = None
-        while time.monotonic() < deadline and run_id is None:  # the first checkpoint reached the server
+        while time.monotonic() < deadline and run_id is None:  # paused, its first checkpoint on the server
             assert process.poll() is None, process.communicate()[1]
             try:
                 experiment = rest(base, "experiments/get-by-name", experiment_name="t_outage")["experiment"]
                 found = rest(base, "runs/search", {"experiment_ids": [experiment["experiment_id"]]})
                 runs = found.get("runs")
                 listed = rest(base, "artifacts/list", run_id=runs[0]["info"]["run_id"]) if runs else {}
-                if any(f["path"] == "generation.json" for f in listed.get("files", [])):
+                if (pause / "paused").exists() and any(f["path"] == "generation.json"
+                                                       for f in listed.get("files", [])):
                     run_id = runs[0]["info"]["run_id"]
             except OSError:
                 pass
             time.sleep(0.2)
         assert run_id, "no checkpoint reached the server"
         stop_server(server)  # mid-run
+        (pause / "resume").touch()
         out, err = process.communicate(timeout=1800)
     finally:
         if process.poll() is None:
