@@ -145,7 +145,7 @@ def postgres(databases: tuple[str, ...] = ("mlflow", "mlflow_auth")) -> Iterator
     try:
         env = {**os.environ, "PGPASSWORD": superuser_password}
         psql = ["psql", "-h", LOOPBACK, "-p", str(port), "-U", "postgres", "-v", "ON_ERROR_STOP=1", "-q"]
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 300  # a hang guard: PostgreSQL starts in seconds
         while subprocess.run([*psql, "-c", "SELECT 1"], env=env, capture_output=True).returncode != 0:
             if server.poll() is not None or time.monotonic() > deadline:
                 raise ServiceError(f"PostgreSQL did not start on port {port}:\n{_tail(log)}")
