@@ -229,6 +229,14 @@ def _scale_min_k4(j, src, at):
     return np.int32(scale), np.int32(minimum)
 
 
+@njit(inline="always")
+def _chunk_scales(src, at, c, d, dmin):
+    """d·scale, dmin·min of sub-block 2c, then of 2c+1, of the Q4_K/Q5_K super-block at `at`."""
+    scale1, min1 = _scale_min_k4(2 * c, src, at + 4)
+    scale2, min2 = _scale_min_k4(2 * c + 1, src, at + 4)
+    return d * np.float32(scale1), dmin * np.float32(min1), d * np.float32(scale2), dmin * np.float32(min2)
+
+
 class Q4_K(BlockType, qtype=Q.Q4_K):
     """144 bytes: d, dmin (f16), 12 bytes of 6-bit scales/mins, 128 bytes of nibbles. Four chunks of 64
     values: 32 bytes whose low nibbles are sub-block 2c and high nibbles sub-block 2c+1."""
@@ -242,10 +250,7 @@ class Q4_K(BlockType, qtype=Q.Q4_K):
             d = _f16(table, src, at)
             dmin = _f16(table, src, at + 2)
             for c in range(4):
-                scale1, min1 = _scale_min_k4(2 * c, src, at + 4)
-                scale2, min2 = _scale_min_k4(2 * c + 1, src, at + 4)
-                d1, m1 = d * np.float32(scale1), dmin * np.float32(min1)
-                d2, m2 = d * np.float32(scale2), dmin * np.float32(min2)
+                d1, m1, d2, m2 = _chunk_scales(src, at, c, d, dmin)
                 qs = at + 16 + 32 * c
                 out = b * 256 + 64 * c
                 for j in range(0, count, 16):  # 16 bytes at a time, as 16-lane vectors
@@ -272,10 +277,7 @@ class Q5_K(BlockType, qtype=Q.Q5_K):
             d = _f16(table, src, at)
             dmin = _f16(table, src, at + 2)
             for c in range(4):
-                scale1, min1 = _scale_min_k4(2 * c, src, at + 4)
-                scale2, min2 = _scale_min_k4(2 * c + 1, src, at + 4)
-                d1, m1 = d * np.float32(scale1), dmin * np.float32(min1)
-                d2, m2 = d * np.float32(scale2), dmin * np.float32(min2)
+                d1, m1, d2, m2 = _chunk_scales(src, at, c, d, dmin)
                 qs = at + 48 + 32 * c
                 bit1, bit2 = 1 << (2 * c), 2 << (2 * c)
                 out = b * 256 + 64 * c
