@@ -5,13 +5,18 @@ registers its types): the subclass gives the type's kernels, its block size come
 `GGML_QUANT_SIZES`, and `__init_subclass__` enters it in `BLOCK_TYPES` (ggml type id → record):
 
     class Q8_0(BlockType, qtype=GGMLQuantizationType.Q8_0):
-        decode = _decode_q8_0   # (src, first, blocks, dst, table, half): blocks of one row → float32
-        dot = _dot_q8_0         # (src, columns, x, sums16, sums32, scales, acc, table): one row · x
+        @njit(fastmath=EXACT)
+        def decode(src, first, blocks, dst, table, half): ...  # blocks of one row → float32
+
+        @njit(inline="always")
+        def dot(src, columns, x, sums16, sums32, scales, acc, table): ...  # one row · x
 
 numba cannot look a kernel up in a Python dict at run time, so `switch` writes the dispatch as Python
 source with one branch per record (`if qtype == 8: …`, the type ids as literals), compiles it and jits
 it: the same code as a hand-written if-chain, inlined into the callers (`ember.quant.kernels`), whose
-on-disk cache it shares. Adding a block type is one subclass; nothing else names it.
+on-disk cache it shares. numba keys that cache on the callers' file, so the records are declared in that
+same file: changing or adding one recompiles the callers. Adding a block type is one subclass there;
+nothing else names it.
 """
 
 from __future__ import annotations
