@@ -29,13 +29,13 @@ from ember.gguf_file import GGUFFile
 QUANTIZED, FLOAT32 = "quantized", "float32"
 WEIGHT_MODES = (QUANTIZED, FLOAT32)
 
-# Block types the kernels multiply (issue 11's list: what real GGUF files use).
-KERNEL_TYPES = frozenset({
-    GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16,
-    GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1,
-    GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q4_K,
-    GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
-})
+
+def kernel_types() -> dict[int, Any]:
+    """The block types the kernels multiply, ggml type id → record: those declared in
+    `ember.quant.kernels` (importing it imports numba; quantized mode only)."""
+    from ember.quant.kernels import BLOCK_TYPES
+
+    return BLOCK_TYPES
 
 
 def remove_old_weight_cache() -> None:
@@ -106,8 +106,8 @@ class WeightStore:
             values = self.gguf.dequantize(name)
             values.flags.writeable = False
             return values
-        if info.ggml_type not in KERNEL_TYPES:
-            supported = ", ".join(sorted(t.name for t in KERNEL_TYPES))
+        if info.ggml_type not in kernel_types():
+            supported = ", ".join(sorted(t.name for t in kernel_types().values()))
             raise GGUFError(
                 f"{self.gguf.path}: tensor {name!r} has block type {info.ggml_type.name}, which ember's "
                 f"kernels do not multiply (they do {supported}); load with weights='float32' to "
@@ -143,7 +143,7 @@ class WeightStore:
 
     def table(self, name: str) -> Any:
         """An embedding table whose rows are read on demand: `gather_rows(table, ids, out)`."""
-        if self.mode == FLOAT32 or self.gguf.tensor(name).ggml_type not in KERNEL_TYPES:
+        if self.mode == FLOAT32 or self.gguf.tensor(name).ggml_type not in kernel_types():
             return FileRows(self, name)
         return self.matrix(name)
 

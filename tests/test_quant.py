@@ -17,13 +17,9 @@ from ember.quant.matrix import (
     StackedMatrix,
     tile_rows,
 )
-from ember.weights import KERNEL_TYPES
 
 RNG = np.random.default_rng(11)
-QUANTIZED = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
-# Byte offsets of each block's f16 scale fields: random bits there would give NaN or huge values.
-SCALE_FIELDS = {Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_0: (0,),
-                Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+KERNEL_TYPES = [record.qtype for record in kernels.BLOCK_TYPES.values()]
 
 
 def random_encoded(qtype: Q, rows: int, columns: int) -> np.ndarray:
@@ -37,7 +33,7 @@ def random_encoded(qtype: Q, rows: int, columns: int) -> np.ndarray:
         return bits.astype(np.uint16).view(np.uint8)
     block_values, block_bytes = GGML_QUANT_SIZES[qtype]
     blocks = RNG.integers(0, 256, size=(rows, columns // block_values, block_bytes), dtype=np.uint8)
-    for at in SCALE_FIELDS[qtype]:
+    for at in kernels.BLOCK_TYPES[qtype].f16_fields:  # random bits there: NaN or huge values
         scales = RNG.uniform(-0.02, 0.02, size=blocks.shape[:2]).astype(np.float16)
         blocks[..., at:at + 2] = scales.view(np.uint8).reshape(*blocks.shape[:2], 2)
     return blocks.reshape(rows, -1)

@@ -1,6 +1,8 @@
 """Weights kept in their GGUF block encoding and the numba kernels that multiply them.
 
-    kernels.py   one decoder per block type (bit-identical to gguf-py) and the parallel drivers
+    blocks.py    one record per block type, registered once; the numba dispatch generated from them
+    kernels.py   the records (each type's decoder, bit-identical to gguf-py, and row product) and the
+                 parallel drivers
     matrix.py    QuantizedMatrix / StackedMatrix: matmul (decode and prefill), rows, dequantize
 
 numba compiles the kernels the first time they run and keeps the machine code in

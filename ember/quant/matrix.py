@@ -161,7 +161,7 @@ class QuantizedMatrix:
     """One GGUF tensor [rows, columns] in its own block encoding.
 
     `data` is the tensor's bytes as uint8 [rows, bytes per row] (`GGUFFile.raw`); `ggml_type` is its
-    block type, one of `kernels.SUPPORTED`.
+    block type, one of `ember.quant.blocks.BLOCK_TYPES` (declared in `kernels`).
     """
 
     def __init__(self, name: str, data: np.ndarray, ggml_type: int, shape: tuple[int, int]) -> None:
@@ -239,13 +239,14 @@ def warm_up() -> None:
     """Compile the kernels (or load them from numba's cache) with the argument types the engine uses:
     mapped file bytes (read-only uint8), float32 activations. A first load compiles for about a minute
     on 2 cores; a cached load takes a fraction of a second."""
-    matrix = QuantizedMatrix("warm-up", np.zeros((1, 34), np.uint8), kernels.Q8_0, (1, 32))  # a Q8_0 block
+    q8_0 = kernels.Q8_0.type_id
+    matrix = QuantizedMatrix("warm-up", np.zeros((1, 34), np.uint8), q8_0, (1, 32))  # a Q8_0 block
     x = np.zeros((2, 32), np.float32)
     _matvec(matrix._groups, x, np.zeros((1, 1), np.float32))
     _small_batch(matrix._groups, x, np.zeros((2, 1), np.float32))
     tile = np.zeros((1, 32), np.float32)
-    kernels.dequantize_tile(kernels.Q8_0, matrix.data, 0, tile, kernels.F16_TABLE, HALF)
-    kernels.dequantize_rows(kernels.Q8_0, matrix.data, np.zeros(1, np.int64), tile, kernels.F16_TABLE, HALF)
+    kernels.dequantize_tile(q8_0, matrix.data, 0, tile, kernels.F16_TABLE, HALF)
+    kernels.dequantize_rows(q8_0, matrix.data, np.zeros(1, np.int64), tile, kernels.F16_TABLE, HALF)
     transposed = np.zeros((32, 16), np.float32)
     kernels.transpose_tokens(x, transposed)
     kernels.transpose_tokens(np.zeros((2, 64), np.float32)[:, :32], transposed)  # x a column slice
