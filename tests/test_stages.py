@@ -124,26 +124,26 @@ exec(compile(tree, module.__file__, "exec"), module.__dict__)
 ''' + '''
 import numpy as np
 from ember import cli
-from ember.experiments import (DISABLED_HOOKS, ExecutionContext, ExecutionPhase, Experiment,
-                               ExperimentRunner, LayerContext, ModelContext, ModelFamily, TracingState)
+from ember.experiments import (DISABLED_HOOKS, ActivationStats, ExecutionContext, ExecutionPhase, Experiment,
+                               ExperimentRunner, LayerContext, ModelContext, ModelFamily)
 from ember.inspection import BoundaryRecorder
 from ember.inspection.dumps import LAYER_FILE_STAGES, array_key
 from ember.tracing import Tracer, TracingHooks
 
 LAYERS, HIDDEN = 2, 4
 
-def toy_forward(hooks):
+def toy_forward(hooks, phase=ExecutionPhase.PREFILL, start=0, rows=3):
     """A family's forward pass with the two new calls in their places."""
-    hidden = np.ones((3, HIDDEN), np.float32)
-    hooks.begin_evaluation(ExecutionPhase.PREFILL, 0, 3)
-    hooks.after_embedding(hidden)
+    hidden = np.ones((rows, HIDDEN), np.float32)
+    hooks.begin_evaluation(phase, start, rows)
+    hooks.after_embedding(np.full((rows, HIDDEN), 2.0, np.float32))
     for i in range(LAYERS):
         hooks.before_layer(i, hidden)
         hooks.after_attention(i, hidden)
         hooks.before_mlp(i, hidden)
         hooks.after_mlp(i, hidden)
         hooks.after_layer(i, hidden)
-    hooks.before_logits(hidden[-1:])
+    hooks.before_logits(np.full((1, HIDDEN), 5.0, np.float32))
     hooks.after_logits(np.zeros((1, 7), np.float32))
     return hidden
 
@@ -180,6 +180,19 @@ assert [(r.stage, r.layer) for r in recorder.records] == [
 assert [array_key(r) for r in recorder.records] == [
     "e000.after_embedding", "e000.before_mlp.00", "e000.before_mlp.01"]
 assert {"after_embedding", "before_mlp"} <= set(LAYER_FILE_STAGES)
+
+stats = ActivationStats()
+runner = ExperimentRunner([stats], ModelContext(ModelFamily.LLAMA, "toy", "llama", LAYERS, HIDDEN))
+runner.on_model_loaded()
+runner.before_prefill(0, 3)
+toy_forward(runner.hooks)
+toy_forward(runner.hooks, ExecutionPhase.DECODE, 3, 1)  # single rows: the decode batch
+rows = {(r["phase"], r["hook"], r["layer"]): r for r in stats.rows()}
+for phase in ("prefill", "decode"):
+    assert rows[(phase, "after_embedding", None)]["mean"] == 2.0
+    assert rows[(phase, "before_logits", None)]["mean"] == 5.0
+    assert rows[(phase, "before_mlp", 1)]["mean"] == 1.0
+assert len(rows) == 2 * (2 + 5 * LAYERS + 1)
 
 args = cli.build_parser().parse_args(["extract", "prompts.txt", "--stage", "before_mlp"])
 assert args.stage == "before_mlp"
