@@ -105,7 +105,8 @@ class TracingHooks:
     (`before_logits` to `after_logits`). The per-stage methods are made from `ember.stages.STAGES`.
     """
 
-    __slots__ = ("inner", "tracer", "_phase", "_start_position", "_layer_started", "_head_started", "_inner")
+    __slots__ = ("inner", "tracer", "_phase", "_start_position", "_layer_started", "_head_started",
+                 "_inner_stages")
 
     def __init__(self, inner: Any, tracer: Tracer) -> None:
         self.inner = inner
@@ -114,7 +115,7 @@ class TracingHooks:
         self._start_position = 0
         self._layer_started = 0.0
         self._head_started = 0.0
-        self._inner = tuple(getattr(inner, stage.name) for stage in STAGES)  # bound once, indexed like STAGES
+        self._inner_stages = tuple(getattr(inner, s.name) for s in STAGES)  # bound once, indexed like STAGES
 
     def begin_evaluation(self, phase: ExecutionPhase, start_position: int, token_count: int) -> None:
         self._phase = ExecutionPhase(phase)
@@ -140,7 +141,7 @@ def _traced(stage: Stage) -> Callable[..., None]:
         def layer_stage(self: TracingHooks, layer_index: int, array: np.ndarray) -> None:
             if opens:
                 self._layer_started = time.perf_counter()
-            self._inner[index](layer_index, array)
+            self._inner_stages[index](layer_index, array)
             if closes:
                 self._end_layer(layer_index)
 
@@ -151,7 +152,7 @@ def _traced(stage: Stage) -> Callable[..., None]:
     def model_stage(self: TracingHooks, array: np.ndarray) -> None:
         if opens:
             self._head_started = time.perf_counter()
-        self._inner[index](array)
+        self._inner_stages[index](array)
         if closes:
             self._end_head()
 

@@ -77,7 +77,7 @@ def test_the_disabled_adapter_costs_what_a_hand_written_no_op_costs() -> None:
 
 
 def _listed_stage_names(node: ast.AST) -> list[str]:
-    elements = node.keys if isinstance(node, ast.Dict) else getattr(node, "elts", [])
+    elements = [*node.keys, *node.values] if isinstance(node, ast.Dict) else getattr(node, "elts", [])
     return [e.value for e in elements if isinstance(e, ast.Constant) and e.value in NAMES]
 
 
