@@ -80,8 +80,9 @@ def _sampling(parser: argparse.ArgumentParser, max_new_tokens: int) -> None:
 def _prompt_set_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompts", help="prompt set: a text file (one per line) or JSONL (prompt, label)")
     parser.add_argument("--layers", default="all", help='"all" or indices, e.g. 0,6,-1 (default: all)')
-    parser.add_argument("--stage", default="after_layer",
-                        choices=("before_layer", "after_attention", "after_mlp", "after_layer"))
+    from ember.stages import LAYER_NAMES  # the layer stages, from their table
+
+    parser.add_argument("--stage", default="after_layer", choices=LAYER_NAMES)
     parser.add_argument("--pool", default="last", choices=("last", "mean"),
                         help="last token or mean over tokens (default: last)")
 

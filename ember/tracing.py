@@ -20,7 +20,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from ember.phases import ExecutionPhase
+from ember.stages import HEAD_STAGES, LAYER_STAGES, STAGES, Scope, Stage, define_stage_methods
 
 SPAN_NAMES = ("load", "resolve", "gguf", "tokenizer", "weights", "generate", "tokenize", "prefill", "decode")
 
@@ -99,10 +100,13 @@ class TracingHooks:
     """A hooks adapter that times every layer (`layer N` spans) and the LM head, around another adapter.
 
     The wrapped adapter (experiments, an observer, or the disabled one) is called exactly as without
-    tracing; a layer's span runs from before its `before_layer` hooks to after its `after_layer` hooks.
+    tracing; a layer's span runs from before its first layer stage's hooks (`before_layer`) to after its
+    last's (`after_layer`), the `lm_head` span likewise over the stages after the layers
+    (`before_logits` to `after_logits`). The per-stage methods are made from `ember.stages.STAGES`.
     """
 
-    __slots__ = ("inner", "tracer", "_phase", "_start_position", "_layer_started", "_head_started")
+    __slots__ = ("inner", "tracer", "_phase", "_start_position", "_layer_started", "_head_started",
+                 "_inner_stages")
 
     def __init__(self, inner: Any, tracer: Tracer) -> None:
         self.inner = inner
@@ -111,33 +115,48 @@ class TracingHooks:
         self._start_position = 0
         self._layer_started = 0.0
         self._head_started = 0.0
+        self._inner_stages = tuple(getattr(inner, s.name) for s in STAGES)  # bound once, indexed like STAGES
 
     def begin_evaluation(self, phase: ExecutionPhase, start_position: int, token_count: int) -> None:
         self._phase = ExecutionPhase(phase)
         self._start_position = int(start_position)
         self.inner.begin_evaluation(phase, start_position, token_count)
 
-    def before_layer(self, layer_index: int, hidden: np.ndarray) -> None:
-        self._layer_started = time.perf_counter()
-        self.inner.before_layer(layer_index, hidden)
-
-    def after_attention(self, layer_index: int, attention_output: np.ndarray) -> None:
-        self.inner.after_attention(layer_index, attention_output)
-
-    def after_mlp(self, layer_index: int, mlp_output: np.ndarray) -> None:
-        self.inner.after_mlp(layer_index, mlp_output)
-
-    def after_layer(self, layer_index: int, hidden: np.ndarray) -> None:
-        self.inner.after_layer(layer_index, hidden)
+    def _end_layer(self, layer_index: int) -> None:
         self.tracer.complete(f"layer {layer_index}", self._layer_started, time.perf_counter(), cat="layer",
                              args={"layer": layer_index, "phase": self._phase.value,
                                    "start_position": self._start_position})
 
-    def before_logits(self, hidden: np.ndarray) -> None:
-        self._head_started = time.perf_counter()
-        self.inner.before_logits(hidden)
-
-    def after_logits(self, logits: np.ndarray) -> None:
-        self.inner.after_logits(logits)
+    def _end_head(self) -> None:
         self.tracer.complete("lm_head", self._head_started, time.perf_counter(), cat="lm_head",
                              args={"phase": self._phase.value})
+
+
+def _traced(stage: Stage) -> Callable[..., None]:
+    """Call the wrapped adapter's method of this stage; open or close a span where the stage does."""
+    index = STAGES.index(stage)
+    if stage.scope is Scope.LAYER:
+        opens, closes = stage is LAYER_STAGES[0], stage is LAYER_STAGES[-1]
+
+        def layer_stage(self: TracingHooks, layer_index: int, array: np.ndarray) -> None:
+            if opens:
+                self._layer_started = time.perf_counter()
+            self._inner_stages[index](layer_index, array)
+            if closes:
+                self._end_layer(layer_index)
+
+        return layer_stage
+
+    opens, closes = stage is HEAD_STAGES[0], stage is HEAD_STAGES[-1]
+
+    def model_stage(self: TracingHooks, array: np.ndarray) -> None:
+        if opens:
+            self._head_started = time.perf_counter()
+        self._inner_stages[index](array)
+        if closes:
+            self._end_head()
+
+    return model_stage
+
+
+define_stage_methods(TracingHooks, _traced)

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 ENGINE = ["ember.config", "ember.families", "ember.ops", "ember.weights", "ember.kv_cache",
-          "ember.quant.matrix", "ember.tracing", "ember.tokenizer", "ember.phases"]
+          "ember.quant.matrix", "ember.tracing", "ember.tokenizer", "ember.phases", "ember.stages"]
 ABOVE_THE_ENGINE = ("ember.experiments", "ember.model", "ember.run", "ember.runs", "ember.tracking",
                     "ember.studies", "ember.inspection", "ember.cli", "hydra", "omegaconf", "mlflow")
 ABOVE_THE_CONTRACT = (*(m for m in ABOVE_THE_ENGINE if m != "ember.experiments"), "matplotlib")

@@ -1,17 +1,17 @@
 """`activation_stats`: the reference observation experiment. It never writes.
 
-For every tensor hook, layer and phase it accumulates, over all evaluations of that phase: the number
-of finite values, their mean, standard deviation, RMS, minimum, maximum and largest magnitude, and
-the count of non-finite values (NaN, +inf, -inf). Statistics of the finite values exclude the
-non-finite ones. Each hook does four whole-array reductions (sum, dot, min, max); the exact finite
-mask is computed only when those show something non-finite. In decode the rows are copied aside and
-reduced together once per evaluation.
+For every tensor hook (each stage of `ember.stages.STAGES`), layer and phase it accumulates, over all
+evaluations of that phase: the number of finite values, their mean, standard deviation, RMS, minimum,
+maximum and largest magnitude, and the count of non-finite values (NaN, +inf, -inf). Statistics of the
+finite values exclude the non-finite ones. Each hook does four whole-array reductions (sum, dot, min,
+max); the exact finite mask is computed only when those show something non-finite. In decode the rows
+are copied aside and reduced together once per evaluation.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -26,6 +26,7 @@ from ember.experiments.context import (
 )
 from ember.experiments.parameters import parse_phases
 from ember.experiments.results import ExperimentResult, Metric
+from ember.stages import LAYER_STAGES, MODEL_STAGES, STAGES, Scope, Stage, define_stage_methods
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -70,6 +71,11 @@ def _merge(stats: list[float], count: int, total: float, squares: float, low: fl
     stats[_NONFINITE] += nonfinite
 
 
+# A decode batch slot per (layer stage, layer), then one per model stage; indexed by the stage's
+# position in STAGES (= TENSOR_HOOKS).
+_SLOT_BASE = tuple(LAYER_STAGES.index(s) if s.scope is Scope.LAYER else MODEL_STAGES.index(s) for s in STAGES)
+
+
 class _RowBatch:
     """The single-row activations of decode evaluations, copied aside (one row per hook and layer)
     and reduced together, four NumPy calls for all of them, when the evaluation ends."""
@@ -78,7 +84,7 @@ class _RowBatch:
         self.layer_count = layer_count
         self.width = width
         self.row_shape = (1, width)
-        slots = len(LAYER_HOOKS) * layer_count + 1  # + before_logits
+        slots = len(LAYER_HOOKS) * layer_count + len(MODEL_STAGES)
         self.stash = np.empty((slots, width), np.float32)
         self.pending: list[int] = []
         self.is_pending = bytearray(slots)
@@ -88,9 +94,9 @@ class _RowBatch:
 
     def slot(self, hook_index: int, layer: int | None) -> int | None:
         if layer is None:
-            return len(LAYER_HOOKS) * self.layer_count
+            return len(LAYER_HOOKS) * self.layer_count + _SLOT_BASE[hook_index]
         if 0 <= layer < self.layer_count:
-            return hook_index * self.layer_count + layer
+            return _SLOT_BASE[hook_index] * self.layer_count + layer
         return None
 
     def add(self, slot: int, values: np.ndarray) -> None:
@@ -131,10 +137,14 @@ class _RowBatch:
         """(hook, layer, accumulated stats) of every slot that has seen something."""
         self.flush()
         found = []
+        layer_slots = len(LAYER_HOOKS) * self.layer_count
         for slot in np.flatnonzero(self.totals[_EVALUATIONS]):
-            hook_index, layer = divmod(int(slot), self.layer_count)
-            hook = LAYER_HOOKS[hook_index] if hook_index < len(LAYER_HOOKS) else "before_logits"
-            found.append((hook, None if hook == "before_logits" else layer, self.totals[:, slot].tolist()))
+            totals = self.totals[:, slot].tolist()
+            if slot < layer_slots:
+                stage, layer = divmod(int(slot), self.layer_count)
+                found.append((LAYER_HOOKS[stage], layer, totals))
+            else:
+                found.append((MODEL_STAGES[slot - layer_slots].name, None, totals))
         return found
 
 
@@ -180,25 +190,7 @@ class ActivationStats(Experiment):
             stats = self._stats[key] = [0, 0, 0.0, 0.0, math.inf, -math.inf, 0]
         _merge(stats, *_reduce(values))
 
-    def before_layer(self, ctx: LayerContext, hidden: TensorAccess) -> None:
-        self._observe(ctx.execution, 0, ctx.layer_index, hidden)
-
-    def after_attention(self, ctx: LayerContext, attention_output: TensorAccess) -> None:
-        self._observe(ctx.execution, 1, ctx.layer_index, attention_output)
-
-    def after_mlp(self, ctx: LayerContext, mlp_output: TensorAccess) -> None:
-        self._observe(ctx.execution, 2, ctx.layer_index, mlp_output)
-
-    def after_layer(self, ctx: LayerContext, hidden: TensorAccess) -> None:
-        self._observe(ctx.execution, 3, ctx.layer_index, hidden)
-
-    def before_logits(self, ctx: ExecutionContext, hidden: TensorAccess) -> None:
-        self._observe(ctx, 4, None, hidden)
-
-    def after_logits(self, ctx: ExecutionContext, logits: TensorAccess) -> None:
-        self._observe(ctx, 5, None, logits)
-        if self._batch is not None:  # the evaluation ends here
-            self._batch.flush()
+    # one hook per stage, observing it: `define_stage_methods(ActivationStats, _observes)` below
 
     def _all_stats(self) -> dict[tuple[ExecutionPhase, str, int | None], list[float]]:
         merged = {key: list(stats) for key, stats in self._stats.items()}
@@ -241,8 +233,8 @@ class ActivationStats(Experiment):
         )
 
     def _layer_arrays(self, rows: list[dict[str, Any]]) -> dict[str, np.ndarray]:
-        """`"{phase}/{statistic}"` -> float64 `[4, layer_count]` (rows: before_layer, after_attention,
-        after_mlp, after_layer); NaN where nothing was recorded."""
+        """`"{phase}/{statistic}"` -> float64 `[layer stages, layer_count]` (rows: before_layer,
+        after_attention, after_mlp, after_layer); NaN where nothing was recorded."""
         layer_rows = [row for row in rows if row["layer"] is not None]
         if not layer_rows:
             return {}
@@ -255,6 +247,25 @@ class ActivationStats(Experiment):
                     arrays[key] = np.full((len(LAYER_HOOKS), layer_count), np.nan)
                 arrays[key][LAYER_HOOKS.index(row["hook"]), row["layer"]] = row[statistic]
         return arrays
+
+
+def _observes(stage: Stage) -> Callable[..., None]:
+    index, ends_evaluation = STAGES.index(stage), stage is STAGES[-1]
+    if stage.scope is Scope.LAYER:
+        def layer_stage(self: ActivationStats, ctx: LayerContext, tensor: TensorAccess) -> None:
+            self._observe(ctx.execution, index, ctx.layer_index, tensor)
+
+        return layer_stage
+
+    def model_stage(self: ActivationStats, ctx: ExecutionContext, tensor: TensorAccess) -> None:
+        self._observe(ctx, index, None, tensor)
+        if ends_evaluation and self._batch is not None:
+            self._batch.flush()
+
+    return model_stage
+
+
+define_stage_methods(ActivationStats, _observes)
 
 
 def _row(key: tuple[ExecutionPhase, str, int | None], stats: list[float]) -> dict[str, Any]:

@@ -1,8 +1,10 @@
 """The hooks adapters the engine's forward passes call: disabled (does nothing) and active.
 
-The engine calls, by name, `begin_evaluation(phase, start_position, token_count)`, then per layer
-`before_layer`, `after_attention`, `after_mlp`, `after_layer` with `(layer_index, array)`, then
-`before_logits(array)` and `after_logits(array)`. Arrays are engine-owned C-contiguous float32 2-D.
+The engine calls, by name, `begin_evaluation(phase, start_position, token_count)`, then each stage of
+`ember.stages.STAGES` where it happens: a layer stage as `<name>(layer_index, array)` (per layer:
+`before_layer`, `after_attention`, `after_mlp`, `after_layer`), a model stage as `<name>(array)`
+(`before_logits`, `after_logits`). Arrays are engine-owned C-contiguous float32 2-D. The per-stage
+methods are made from the table when each class is created (`define_stage_methods`).
 """
 
 from __future__ import annotations
@@ -22,18 +24,29 @@ from ember.experiments.context import (
     TracingState,
 )
 from ember.experiments.failure import ExperimentFailure, describe_exception
+from ember.stages import STAGES, Scope, Stage, define_stage_methods
+
+
+def _does_nothing(stage: Stage) -> Callable[..., None]:
+    if stage.scope is Scope.LAYER:
+        def layer_stage(self: Any, layer_index: int, array: np.ndarray) -> None:
+            pass
+
+        return layer_stage
+
+    def model_stage(self: Any, array: np.ndarray) -> None:
+        pass
+
+    return model_stage
 
 
 class HooksAdapter(Protocol):
-    """What a family forward pass may call."""
+    """What a family forward pass may call: `begin_evaluation`, then one method per stage."""
 
     def begin_evaluation(self, phase: ExecutionPhase, start_position: int, token_count: int) -> None: ...
-    def before_layer(self, layer_index: int, hidden: np.ndarray) -> None: ...
-    def after_attention(self, layer_index: int, attention_output: np.ndarray) -> None: ...
-    def after_mlp(self, layer_index: int, mlp_output: np.ndarray) -> None: ...
-    def after_layer(self, layer_index: int, hidden: np.ndarray) -> None: ...
-    def before_logits(self, hidden: np.ndarray) -> None: ...
-    def after_logits(self, logits: np.ndarray) -> None: ...
+
+
+define_stage_methods(HooksAdapter, _does_nothing)
 
 
 class DisabledHooks:
@@ -44,25 +57,8 @@ class DisabledHooks:
     def begin_evaluation(self, phase: ExecutionPhase, start_position: int, token_count: int) -> None:
         pass
 
-    def before_layer(self, layer_index: int, hidden: np.ndarray) -> None:
-        pass
 
-    def after_attention(self, layer_index: int, attention_output: np.ndarray) -> None:
-        pass
-
-    def after_mlp(self, layer_index: int, mlp_output: np.ndarray) -> None:
-        pass
-
-    def after_layer(self, layer_index: int, hidden: np.ndarray) -> None:
-        pass
-
-    def before_logits(self, hidden: np.ndarray) -> None:
-        pass
-
-    def after_logits(self, logits: np.ndarray) -> None:
-        pass
-
-
+define_stage_methods(DisabledHooks, _does_nothing)
 DISABLED_HOOKS = DisabledHooks()
 
 _Call = tuple[str, Callable[..., Any]]
@@ -97,12 +93,7 @@ class ActiveHooks:
                 if method is not None:
                     calls[hook].append((experiment.name, method))
         self._calls = calls
-        self._before_layer = calls["before_layer"]
-        self._after_attention = calls["after_attention"]
-        self._after_mlp = calls["after_mlp"]
-        self._after_layer = calls["after_layer"]
-        self._before_logits = calls["before_logits"]
-        self._after_logits = calls["after_logits"]
+        self._stage_calls = tuple(calls[stage.name] for stage in STAGES)  # indexed like STAGES
 
     # -- lifecycle (called by the runner) ------------------------------------------------------
 
@@ -125,23 +116,7 @@ class ActiveHooks:
         )
         self._layer = None
 
-    def before_layer(self, layer_index: int, hidden: np.ndarray) -> None:
-        self._layer_hook("before_layer", self._before_layer, layer_index, hidden)
-
-    def after_attention(self, layer_index: int, attention_output: np.ndarray) -> None:
-        self._layer_hook("after_attention", self._after_attention, layer_index, attention_output)
-
-    def after_mlp(self, layer_index: int, mlp_output: np.ndarray) -> None:
-        self._layer_hook("after_mlp", self._after_mlp, layer_index, mlp_output)
-
-    def after_layer(self, layer_index: int, hidden: np.ndarray) -> None:
-        self._layer_hook("after_layer", self._after_layer, layer_index, hidden)
-
-    def before_logits(self, hidden: np.ndarray) -> None:
-        self._tensor_hook("before_logits", self._before_logits, self._current_execution(), hidden, None)
-
-    def after_logits(self, logits: np.ndarray) -> None:
-        self._tensor_hook("after_logits", self._after_logits, self._current_execution(), logits, None)
+    # one method per stage: `define_stage_methods(ActiveHooks, _calls_experiments)` below
 
     # -- internals -----------------------------------------------------------------------------
 
@@ -181,3 +156,20 @@ class ActiveHooks:
     ) -> ExperimentFailure:
         self.failure = ExperimentFailure(name, hook, describe_exception(error), phase=phase, layer=layer)
         return self.failure
+
+
+def _calls_experiments(stage: Stage) -> Callable[..., None]:
+    name, index = stage.name, STAGES.index(stage)
+    if stage.scope is Scope.LAYER:
+        def layer_stage(self: ActiveHooks, layer_index: int, array: np.ndarray) -> None:
+            self._layer_hook(name, self._stage_calls[index], layer_index, array)
+
+        return layer_stage
+
+    def model_stage(self: ActiveHooks, array: np.ndarray) -> None:
+        self._tensor_hook(name, self._stage_calls[index], self._current_execution(), array, None)
+
+    return model_stage
+
+
+define_stage_methods(ActiveHooks, _calls_experiments)

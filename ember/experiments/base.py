@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
+from typing import Any
+
 from ember.experiments.context import (
     ExecutionContext,
     GenerationContext,
@@ -10,12 +14,14 @@ from ember.experiments.context import (
     TensorAccess,
 )
 from ember.experiments.results import ExperimentResult
+from ember.stages import LAYER_NAMES, MODEL_NAMES, NAMES, Scope, Stage, define_stage_methods
 
-# The lifecycle in the order a successful generation calls it.
+# The lifecycle in the order a successful generation calls it; the tensor hooks are the stages
+# (ember/stages.py), in their order.
 LIFECYCLE_HOOKS = ("on_model_loaded", "before_prefill", "on_generation_complete")
-LAYER_HOOKS = ("before_layer", "after_attention", "after_mlp", "after_layer")
-LOGITS_HOOKS = ("before_logits", "after_logits")
-TENSOR_HOOKS = LAYER_HOOKS + LOGITS_HOOKS
+LAYER_HOOKS = LAYER_NAMES
+LOGITS_HOOKS = MODEL_NAMES
+TENSOR_HOOKS = NAMES
 ALL_HOOKS = ("on_model_loaded", "before_prefill", *TENSOR_HOOKS, "on_generation_complete")
 
 
@@ -26,6 +32,9 @@ class Experiment:
     Hooks run synchronously, in a fixed order; to fail, raise `ExperimentError` (any other exception
     escaping a hook is treated the same way). Tensor hooks get a `TensorAccess` valid only during the
     call. `results()` hands back what the experiment measured, also after a failure.
+
+    The tensor hooks are one per stage of `ember.stages.STAGES`, in its order, each a no-op here:
+    `before_layer(ctx, hidden)` ... `after_logits(ctx, logits)`.
     """
 
     name: str = ""
@@ -36,23 +45,7 @@ class Experiment:
     def before_prefill(self, ctx: ExecutionContext) -> None:
         """Once per generation, before the prefill evaluation."""
 
-    def before_layer(self, ctx: LayerContext, hidden: TensorAccess) -> None:
-        """The residual stream entering layer `ctx.layer_index`, `[tokens, hidden]`."""
-
-    def after_attention(self, ctx: LayerContext, attention_output: TensorAccess) -> None:
-        """The attention block's contribution to the residual, before it is added, `[tokens, hidden]`."""
-
-    def after_mlp(self, ctx: LayerContext, mlp_output: TensorAccess) -> None:
-        """The MLP block's contribution to the residual, before it is added, `[tokens, hidden]`."""
-
-    def after_layer(self, ctx: LayerContext, hidden: TensorAccess) -> None:
-        """The residual stream leaving the layer, `[tokens, hidden]`."""
-
-    def before_logits(self, ctx: ExecutionContext, hidden: TensorAccess) -> None:
-        """The last token's hidden state after the final norm, `[1, hidden]`."""
-
-    def after_logits(self, ctx: ExecutionContext, logits: TensorAccess) -> None:
-        """The last token's logits after the family's post-processing, `[1, vocab]`."""
+    # the tensor hooks: `define_stage_methods(Experiment, _default_hook)` below
 
     def on_generation_complete(self, ctx: GenerationContext) -> None:
         """Once, when the generation finished successfully (never after a failure)."""
@@ -63,3 +56,22 @@ class Experiment:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
+
+
+def _default_hook(stage: Stage) -> Callable[..., None]:
+    """`Experiment`'s no-op for a stage, documented from the table."""
+    context = LayerContext if stage.scope is Scope.LAYER else ExecutionContext
+
+    def hook(self: Experiment, ctx: Any, tensor: TensorAccess) -> None:
+        pass
+
+    hook.__doc__ = f"{stage.meaning}, `{stage.shape}`."
+    hook.__signature__ = inspect.Signature([  # type: ignore[attr-defined]  # what help() shows
+        inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+        inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=context),
+        inspect.Parameter(stage.argument, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=TensorAccess),
+    ], return_annotation=None)
+    return hook
+
+
+define_stage_methods(Experiment, _default_hook)

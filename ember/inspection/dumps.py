@@ -1,11 +1,11 @@
 """Layer and logits dumps of one generation: `.npz` arrays and a JSON index.
 
-`layers.npz` holds, for every evaluation (the prefill, then each decode step), every layer's four
-boundaries (`before_layer`, `after_attention`, `after_mlp`, `after_layer`) and `before_logits`;
-`logits.npz` holds `after_logits` of every evaluation. The arrays are copies of exactly what the hooks
-see at those boundaries (same calls, same buffers). `index.json` lists each array: file, key, evaluation,
-phase, layer, stage, positions [start, end) of its rows (before/after_logits: the last position) and
-shape.
+`layers.npz` holds, for every evaluation (the prefill, then each decode step), every stage of hidden
+width (`ember.stages.STAGES`: every layer's `before_layer`, `after_attention`, `after_mlp`, `after_layer`,
+and `before_logits`); `logits.npz` holds the stages of vocabulary width (`after_logits`) of every
+evaluation. The arrays are copies of exactly what the hooks see at those boundaries (same calls, same
+buffers). `index.json` lists each array: file, key, evaluation, phase, layer, stage, positions
+[start, end) of its rows (before/after_logits: the last position) and shape.
 """
 
 from __future__ import annotations
@@ -20,10 +20,12 @@ from typing import Any
 import numpy as np
 
 from ember.errors import ConfigError
-from ember.experiments.base import LAYER_HOOKS
 from ember.inspection.recorder import BoundaryRecorder, Record
+from ember.stages import BY_NAME, STAGES
 
 LAYERS_FILE, LOGITS_FILE, INDEX_FILE = "layers.npz", "logits.npz", "index.json"
+LAYER_FILE_STAGES = tuple(stage.name for stage in STAGES if stage.width != "vocab")
+LOGITS_FILE_STAGES = tuple(stage.name for stage in STAGES if stage.width == "vocab")
 
 
 @dataclass(slots=True)
@@ -35,9 +37,10 @@ class DumpResult:
 
 
 def array_key(record: Record) -> str:
-    """`e000.after_layer.07` for layer boundaries, `e000.before_logits` and `e000.logits` otherwise."""
-    if record.stage == "after_logits":
-        return f"e{record.evaluation:03d}.logits"
+    """`e000.after_layer.07` for layer stages, `e000.before_logits` for model stages, and the argument's
+    name for a stage of vocabulary width: `e000.logits`."""
+    if record.stage in LOGITS_FILE_STAGES:
+        return f"e{record.evaluation:03d}.{BY_NAME[record.stage].argument}"
     if record.layer is None:
         return f"e{record.evaluation:03d}.{record.stage}"
     return f"e{record.evaluation:03d}.{record.stage}.{record.layer:02d}"
@@ -57,7 +60,7 @@ def dump_generation(model: Any, prompt: str | Sequence[int], directory: str | os
         from ember.inspection.refusal import refuse_with_experiments
 
         refuse_with_experiments("dump_layers" if layers else "dump_logits", generate_options["experiments"])
-    stages = (LAYER_HOOKS + ("before_logits",) if layers else ()) + (("after_logits",) if logits else ())
+    stages = (LAYER_FILE_STAGES if layers else ()) + (LOGITS_FILE_STAGES if logits else ())
     recorder = BoundaryRecorder(stages=stages)
     generation = model.generate(prompt, observer=recorder, **generate_options)
     return write_dump(recorder.records, generation, directory, model=model, layers=layers, logits=logits,
@@ -73,7 +76,7 @@ def write_dump(records: list[Record], generation: Any, directory: str | os.PathL
     entries: list[dict[str, Any]] = []
     files: list[Path] = []
     for name in requested:
-        chosen = [r for r in records if (r.stage == "after_logits") == (name == LOGITS_FILE)]
+        chosen = [r for r in records if (r.stage in LOGITS_FILE_STAGES) == (name == LOGITS_FILE)]
         arrays = {array_key(r): r.array for r in chosen}
         path = folder / name
         save(path, **arrays)

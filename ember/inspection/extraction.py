@@ -18,10 +18,10 @@ from typing import Any
 import numpy as np
 
 from ember.errors import ConfigError
-from ember.experiments.base import LAYER_HOOKS
 from ember.experiments.context import ExecutionPhase
 from ember.inspection.recorder import POOLS, BoundaryRecorder, pool_rows
 from ember.progress import Progress
+from ember.stages import LAYER_NAMES
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,8 +87,8 @@ def extract_hidden_states(model: Any, prompts: Sequence[str], *, layers: str | S
                           progress: bool = True, tracer: Any = None) -> tuple[np.ndarray, list[int]]:
     """(states [prompts, layers, hidden] float32, the layer indices); `tracer` gets one prefill span
     per prompt (and layer spans when it asks for them)."""
-    if stage not in LAYER_HOOKS:
-        raise ConfigError(f"stage must be one of {', '.join(LAYER_HOOKS)}, got {stage!r}")
+    if stage not in LAYER_NAMES:
+        raise ConfigError(f"stage must be one of {', '.join(LAYER_NAMES)}, got {stage!r}")
     if pool not in POOLS:
         raise ConfigError(f"pool must be one of {', '.join(POOLS)}, got {pool!r}")
     chosen = resolve_layers(layers, model.config.layer_count)

@@ -2,7 +2,7 @@
 
 It is what dumps and extraction pass to `Model.generate(observer=...)` / `Model.evaluate(observer=...)`:
 the same calls, at the same places, with the same arrays an experiment's `TensorAccess.values()` sees.
-It never writes into the engine's buffers.
+It never writes into the engine's buffers. Its per-stage methods are made from `ember.stages.STAGES`.
 """
 
 from __future__ import annotations
@@ -13,11 +13,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from ember.errors import ConfigError
-from ember.experiments.base import LAYER_HOOKS, LOGITS_HOOKS
 from ember.experiments.context import ExecutionPhase
+from ember.stages import NAMES, Scope, Stage, define_stage_methods
 
-# before_layer, after_attention, after_mlp, after_layer, before_logits, after_logits
-STAGES = LAYER_HOOKS + LOGITS_HOOKS
+STAGES = NAMES  # every stage's name, in call order
 POOLS = ("last", "mean")
 
 
@@ -30,7 +29,7 @@ class Record:
     start_position: int
     token_count: int
     stage: str
-    layer: int | None  # None for before_logits / after_logits
+    layer: int | None  # None for a model stage (before_logits, after_logits)
     array: np.ndarray
 
 
@@ -86,20 +85,19 @@ class BoundaryRecorder:
         self.records.append(
             Record(self.evaluations, self._phase, self._start, self._count, stage, layer, kept))
 
-    def before_layer(self, layer_index: int, hidden: np.ndarray) -> None:
-        self._keep("before_layer", layer_index, hidden)
 
-    def after_attention(self, layer_index: int, attention_output: np.ndarray) -> None:
-        self._keep("after_attention", layer_index, attention_output)
+def _keeps(stage: Stage) -> Callable[..., None]:
+    name = stage.name
+    if stage.scope is Scope.LAYER:
+        def layer_stage(self: BoundaryRecorder, layer_index: int, array: np.ndarray) -> None:
+            self._keep(name, layer_index, array)
 
-    def after_mlp(self, layer_index: int, mlp_output: np.ndarray) -> None:
-        self._keep("after_mlp", layer_index, mlp_output)
+        return layer_stage
 
-    def after_layer(self, layer_index: int, hidden: np.ndarray) -> None:
-        self._keep("after_layer", layer_index, hidden)
+    def model_stage(self: BoundaryRecorder, array: np.ndarray) -> None:
+        self._keep(name, None, array)
 
-    def before_logits(self, hidden: np.ndarray) -> None:
-        self._keep("before_logits", None, hidden)
+    return model_stage
 
-    def after_logits(self, logits: np.ndarray) -> None:
-        self._keep("after_logits", None, logits)
+
+define_stage_methods(BoundaryRecorder, _keeps)

@@ -1,0 +1,90 @@
+"""The hook stages, declared once: where in a forward pass the engine shows an activation.
+
+Each family's forward pass calls the hooks adapter by a stage's name at that boundary: a layer stage
+as `hooks.<name>(layer_index, array)` once per layer, a model stage as `hooks.<name>(array)` once per
+evaluation. Everything else that knows the stages reads this table: the contract's `Experiment`
+(a no-op default per stage), the adapters (`DisabledHooks`, `ActiveHooks`, `HooksAdapter`), tracing's
+spans (`TracingHooks`), the boundary recorder, dumps and the CLI's `--stage` choices. They build their
+per-stage methods once, when their class is created (`define_stage_methods`), so a call costs what a
+hand-written method costs.
+
+Adding a stage is one entry here (in call order) plus the family's call at that place.
+
+This module sits below both the engine and the hook contract, like `ember.phases`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+
+from ember.phases import ExecutionPhase
+
+BOTH_PHASES = frozenset(ExecutionPhase)
+
+
+class Scope(Enum):
+    LAYER = "layer"  # once per layer: hooks.<name>(layer_index, array); experiments get a LayerContext
+    MODEL = "model"  # once per evaluation: hooks.<name>(array); experiments get an ExecutionContext
+
+
+@dataclass(frozen=True, slots=True)
+class Stage:
+    """One boundary: its name (the hook's), scope, the array's argument name, its rows and columns
+    (`tokens`: one row per evaluated token, `1`: the last token's; `hidden` or `vocab` wide), the phases
+    it fires in, whether experiments may write it (`TensorAccess.values_mut()`), and what it is."""
+
+    name: str
+    scope: Scope
+    argument: str
+    rows: str
+    width: str
+    meaning: str
+    phases: frozenset[ExecutionPhase] = BOTH_PHASES
+    mutable: bool = True
+
+    @property
+    def shape(self) -> str:
+        return f"[{self.rows}, {self.width}]"
+
+
+# In the order an evaluation calls them.
+STAGES: tuple[Stage, ...] = (
+    Stage("before_layer", Scope.LAYER, "hidden", "tokens", "hidden",
+          "The residual stream entering layer `ctx.layer_index`"),
+    Stage("after_attention", Scope.LAYER, "attention_output", "tokens", "hidden",
+          "The attention block's contribution to the residual, before it is added"),
+    Stage("after_mlp", Scope.LAYER, "mlp_output", "tokens", "hidden",
+          "The MLP block's contribution to the residual, before it is added"),
+    Stage("after_layer", Scope.LAYER, "hidden", "tokens", "hidden",
+          "The residual stream leaving the layer"),
+    Stage("before_logits", Scope.MODEL, "hidden", "1", "hidden",
+          "The last token's hidden state after the final norm"),
+    Stage("after_logits", Scope.MODEL, "logits", "1", "vocab",
+          "The last token's logits after the family's post-processing"),
+)
+
+NAMES: tuple[str, ...] = tuple(stage.name for stage in STAGES)
+BY_NAME: dict[str, Stage] = {stage.name: stage for stage in STAGES}
+LAYER_STAGES: tuple[Stage, ...] = tuple(stage for stage in STAGES if stage.scope is Scope.LAYER)
+MODEL_STAGES: tuple[Stage, ...] = tuple(stage for stage in STAGES if stage.scope is Scope.MODEL)
+LAYER_NAMES: tuple[str, ...] = tuple(stage.name for stage in LAYER_STAGES)
+MODEL_NAMES: tuple[str, ...] = tuple(stage.name for stage in MODEL_STAGES)
+# The model stages called after the last layer's: the LM head's (tracing times them as one span).
+HEAD_STAGES: tuple[Stage, ...] = tuple(
+    stage for stage in MODEL_STAGES if STAGES.index(stage) > STAGES.index(LAYER_STAGES[-1]))
+
+
+def define_stage_methods(cls: type, make: Callable[[Stage], Callable[..., None]]) -> type:
+    """Give `cls` one method per stage, `make(stage)`, named after the stage; returns `cls`.
+
+    `make` is called once per stage here, never per hook call: the methods are plain functions.
+    """
+    for stage in STAGES:
+        method = make(stage)
+        method.__name__ = stage.name
+        method.__qualname__ = f"{cls.__qualname__}.{stage.name}"
+        method.__module__ = cls.__module__
+        setattr(cls, stage.name, method)
+    return cls
