@@ -32,9 +32,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ember.console import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, say
 from ember.errors import ConfigError, EmberError
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 DEFAULT_MODEL = "smollm2-135m"
 
 # Which refusal each subcommand is subject to (generate: only with --dump-layers / --dump-logits).
@@ -155,10 +155,6 @@ def build_parser() -> argparse.ArgumentParser:
 # ------------------------------------------------------------------------------------ helpers
 
 
-def say(message: str) -> None:
-    print(f"ember: {message}", file=sys.stderr, flush=True)
-
-
 def experiment_specs(texts: Sequence[str]) -> list[Any]:
     """`name` or `name:key=value,key=value` (values read as YAML scalars) -> ExperimentSpec."""
     import yaml
@@ -232,7 +228,7 @@ def _finish_trace(args: argparse.Namespace, tracer: Any, log: Any) -> None:
         return
     path = tracer.write(args.trace)
     log.files([path], "trace")
-    say(f"trace written to {path} (open in https://ui.perfetto.dev)")
+    say(f"ember: trace written to {path} (open in https://ui.perfetto.dev)")
 
 
 # ------------------------------------------------------------------------------------ commands
@@ -275,7 +271,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 generation = result.generation
                 print(flush=True)
                 log.files(result.files, "dump")
-                say(f"dump of {result.index['evaluations']} evaluations written to {folder}")
+                say(f"ember: dump of {result.index['evaluations']} evaluations written to {folder}")
             else:
                 try:
                     generation = model.generate(prompt, experiments=experiments, **options)
@@ -283,7 +279,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                     generation, status = failure.generation, EXIT_FAILED
                     log.failed = True
                     print(flush=True)
-                    say(str(failure))
+                    say("ember: " + str(failure))
                     log.tags({"ember.failure": str(failure)})
                 else:
                     print(flush=True)
@@ -294,8 +290,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         _finish_trace(args, tracer, log)
         if generation is not None:
             t = generation.timings
-            say(f"{len(generation.token_ids)} tokens, prefill {t.prefill_tokens_per_second:.1f} tok/s, "
-                f"decode {t.decode_tokens_per_second:.1f} tok/s")
+            say(f"ember: {len(generation.token_ids)} tokens, prefill {t.prefill_tokens_per_second:.1f} "
+                f"tok/s, decode {t.decode_tokens_per_second:.1f} tok/s")
     return status
 
 
@@ -322,7 +318,7 @@ def _log_generation(log: Any, generation: Any) -> None:
     for name, result in generation.experiment_results.items():
         if log.enabled:
             tracking.log_experiment_result(log.tracker, log.run_id, name, result)
-        say(experiment_summary(name, result))
+        say(f"ember: {experiment_summary(name, result)}")
 
 
 def _extract(args: argparse.Namespace, log: Any) -> tuple[Any, Any, Any, list[int]]:
@@ -350,7 +346,7 @@ def cmd_extract(args: argparse.Namespace) -> int:
         log.params({"prompts": args.prompts, "layers": args.layers, "stage": args.stage, "pool": args.pool,
                     "prompt_count": len(prompt_set)})
         log.files([out], "states")
-        say(f"states {list(states.shape)} (prompt, layer, hidden) written to {out}")
+        say(f"ember: states {list(states.shape)} (prompt, layer, hidden) written to {out}")
     return EXIT_OK
 
 
@@ -442,7 +438,7 @@ def cmd_runs(args: argparse.Namespace) -> int:
 
     store = tracking.resolve_store(mlflow_settings(args))
     if store.tracking_uri.startswith("sqlite:///") and not Path(store.tracking_uri[10:]).exists():
-        say(f"no MLflow store at {store.tracking_uri[10:]}: nothing to {args.runs_command}")
+        say(f"ember: no MLflow store at {store.tracking_uri[10:]}: nothing to {args.runs_command}")
         return EXIT_OK
     from mlflow.tracking import MlflowClient
 
@@ -450,13 +446,14 @@ def cmd_runs(args: argparse.Namespace) -> int:
     uploaded = tracking.upload_outboxes(client, store.tracking_uri)
     left = tracking.outbox.pending(tracking.outbox.default_root(), store.tracking_uri)
     if left:
-        say(f"{len(left)} outbox(es) for {store.tracking_uri} could not be uploaded yet: {left[0].parent}")
+        say(f"ember: {len(left)} outbox(es) for {store.tracking_uri} could not be uploaded yet: "
+            f"{left[0].parent}")
     elif not uploaded and args.runs_command == "upload":
-        say(f"no records waiting for {store.tracking_uri}")
+        say(f"ember: no records waiting for {store.tracking_uri}")
     if args.runs_command == "upload":
         return EXIT_OK if not left else EXIT_FAILED
     repaired = tracking.repair_store(client, store.tracking_uri)
-    say(f"{len(repaired)} run(s) of dead processes closed as KILLED in {store.tracking_uri}"
+    say(f"ember: {len(repaired)} run(s) of dead processes closed as KILLED in {store.tracking_uri}"
         if repaired else f"no run of a dead process in {store.tracking_uri}")
     return EXIT_OK if not left else EXIT_FAILED
 
@@ -589,10 +586,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         tracking.quiet_mlflow_logging()
         return COMMANDS[args.command](args)
     except EmberError as error:
-        say(str(error))
+        say("ember: " + str(error))
         return EXIT_USAGE
     except KeyboardInterrupt:
-        say("interrupted")
+        say("ember: interrupted")
         return EXIT_INTERRUPTED
     finally:
         signal.signal(signal.SIGTERM, previous)

@@ -32,8 +32,9 @@ import hydra
 from omegaconf import DictConfig
 
 from ember import tracking
+from ember.console import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, say
 from ember.errors import EmberError
-from ember.runs.execute import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, run_job, say
+from ember.runs.execute import run_job
 from ember.runs.overrides import describe_hydra_error, preflight
 
 # conf/hydra/launcher/{ray,submitit_local,submitit_slurm}.yaml keep the plugins' names on purpose

@@ -17,6 +17,7 @@ from mlflow.exceptions import MlflowException
 from omegaconf import DictConfig, OmegaConf
 
 from ember import tracking
+from ember.console import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, say
 from ember.errors import EmberError
 from ember.experiments import ExperimentFailure
 from ember.provenance import config_digest, environment_tags, flatten
@@ -30,13 +31,6 @@ from ember.runs.prepare import Prepared, prepare
 from ember.runs.records import Recorder, generation_metrics, generation_record, model_tags
 from ember.runs.summary import experiment_summary
 from ember.tracking import FAILED, FINISHED, KILLED
-
-# Exit statuses.
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
-
-
-def say(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 @dataclass(frozen=True, slots=True)
