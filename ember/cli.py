@@ -227,7 +227,7 @@ def _finish_trace(args: argparse.Namespace, tracer: Any, log: Any) -> None:
     if tracer is None:
         return
     path = tracer.write(args.trace)
-    log.files([path], "trace")
+    log.log_file(path, "trace")
     say(f"ember: trace written to {path} (open in https://ui.perfetto.dev)")
 
 
@@ -252,13 +252,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     options = dict(max_new_tokens=args.max_new_tokens, tracer=tracer, **_sampling_options(args))
     with mlflow_run(mlflow_settings(args), f"{name} {model.source.name}", _model_tags(model),
                     command="ember generate") as log:
-        log.params({"prompt": args.prompt, "chat": args.chat, **options, "tracer": tracer is not None,
-                    "experiments": " ".join(args.experiment), "dump_layers": args.dump_layers,
-                    "dump_logits": args.dump_logits})
+        log.log_params({"prompt": args.prompt, "chat": args.chat, **options, "tracer": tracer is not None,
+                        "experiments": " ".join(args.experiment), "dump_layers": args.dump_layers,
+                        "dump_logits": args.dump_logits})
         if not args.chat:
             print(args.prompt, end="", flush=True)
         # The text so far goes into the run as it comes (ember.runs.checkpoint): a killed run keeps it.
-        checkpoints = Checkpoints(log.tracker, log.run_id, model.tokenize(prompt), experiments, show=stream)
+        checkpoints = Checkpoints(log, model.tokenize(prompt), experiments, show=stream)
         options.update(on_text=checkpoints.on_text, on_token=checkpoints.on_token)
         status = EXIT_OK
         try:
@@ -270,7 +270,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                                          logits=args.dump_logits, **options)
                 generation = result.generation
                 print(flush=True)
-                log.files(result.files, "dump")
+                for file in result.files:
+                    log.log_file(file, "dump")
                 say(f"ember: dump of {result.index['evaluations']} evaluations written to {folder}")
             else:
                 try:
@@ -280,7 +281,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                     log.failed = True
                     print(flush=True)
                     say("ember: " + str(failure))
-                    log.tags({"ember.failure": str(failure)})
+                    log.set_tags({"ember.failure": str(failure)})
                 else:
                     print(flush=True)
         except KeyboardInterrupt:  # the run ends KILLED with exactly the text shown
@@ -302,22 +303,19 @@ def stream(piece: str) -> None:
 def _log_generation(log: Any, generation: Any) -> None:
     if generation is None:
         return
-    from ember import tracking
-
     t = generation.timings
-    log.metrics([("tokens.prompt", len(generation.prompt_token_ids), 0),
-                 ("tokens.generated", len(generation.token_ids), 0),
-                 ("prefill.tokens_per_second", t.prefill_tokens_per_second, 0),
-                 ("decode.tokens_per_second", t.decode_tokens_per_second, 0)])
+    log.log_metrics([("tokens.prompt", len(generation.prompt_token_ids), 0),
+                     ("tokens.generated", len(generation.token_ids), 0),
+                     ("prefill.tokens_per_second", t.prefill_tokens_per_second, 0),
+                     ("decode.tokens_per_second", t.decode_tokens_per_second, 0)])
     from ember.runs.records import generation_record
 
-    log.json(generation_record(generation), "generation.json")  # the checkpoints' names, now complete
-    log.text(generation.text, "generation.txt")
+    log.log_json(generation_record(generation), "generation.json")  # the checkpoints' names, now complete
+    log.log_text(generation.text, "generation.txt")
     from ember.runs.summary import experiment_summary
 
     for name, result in generation.experiment_results.items():
-        if log.enabled:
-            tracking.log_experiment_result(log.tracker, log.run_id, name, result)
+        log.result(name, result)
         say(f"ember: {experiment_summary(name, result)}")
 
 
@@ -342,10 +340,10 @@ def cmd_extract(args: argparse.Namespace) -> int:
         model, prompt_set, states, layers = _extract(args, log)
         out = save_states(args.out or Path("outputs") / "states" / f"{_stamp()}.npz", states, layers,
                           stage=args.stage, pool=args.pool, prompt_set=prompt_set, model=model)
-        log.tags(_model_tags(model))
-        log.params({"prompts": args.prompts, "layers": args.layers, "stage": args.stage, "pool": args.pool,
-                    "prompt_count": len(prompt_set)})
-        log.files([out], "states")
+        log.set_tags(_model_tags(model))
+        log.log_params({"prompts": args.prompts, "layers": args.layers, "stage": args.stage,
+                        "pool": args.pool, "prompt_count": len(prompt_set)})
+        log.log_file(out, "states")
         say(f"ember: states {list(states.shape)} (prompt, layer, hidden) written to {out}")
     return EXIT_OK
 
@@ -361,9 +359,10 @@ def cmd_probe(args: argparse.Namespace) -> int:
     with mlflow_run(mlflow_settings(args), f"probe {args.model}") as log:
         model, prompt_set, states, layers = _extract(args, log)
         report = probe_layers(states, prompt_set.labels, layers, folds=args.folds, seed=args.seed, l2=args.l2)
-        log.tags(_model_tags(model))
-        log.params({"prompts": args.prompts, "layers": args.layers, "stage": args.stage, "pool": args.pool,
-                    "folds": args.folds, "seed": args.seed, "l2": args.l2, "prompt_count": len(prompt_set)})
+        log.set_tags(_model_tags(model))
+        log.log_params({"prompts": args.prompts, "layers": args.layers, "stage": args.stage,
+                        "pool": args.pool, "folds": args.folds, "seed": args.seed, "l2": args.l2,
+                        "prompt_count": len(prompt_set)})
         log_probe_report(log, report)
         print(report.table())
     return EXIT_OK
@@ -423,10 +422,10 @@ def cmd_benchmark(args: argparse.Namespace) -> int:
         Path(args.json_path).write_text(text + "\n")
     with mlflow_run(mlflow_settings(args), f"benchmark {args.model}",
                     {"model.name": figures["model"]["name"], "model.path": figures["model"]["path"]}) as log:
-        log.params({k: v for k, v in figures["settings"].items()})
-        log.metrics([(f"benchmark.{key}", float(value), 0) for key, value in figures["results"].items()
-                     if isinstance(value, int | float)])
-        log.json(figures, "benchmark.json")
+        log.log_params({k: v for k, v in figures["settings"].items()})
+        log.log_metrics([(f"benchmark.{key}", float(value), 0) for key, value in figures["results"].items()
+                         if isinstance(value, int | float)])
+        log.log_json(figures, "benchmark.json")
         _finish_trace(args, tracer, log)
     return EXIT_OK
 
@@ -434,17 +433,17 @@ def cmd_benchmark(args: argparse.Namespace) -> int:
 def cmd_runs(args: argparse.Namespace) -> int:
     """`ember runs upload`: the records kept in outputs/mlflow-outbox while the store was away go to it;
     `ember runs repair`: that, then every RUNNING run whose process is gone is closed as KILLED."""
-    from ember import tracking
+    from ember.records import outbox
+    from ember.records.store import mlflow_client, resolve_store
+    from ember.records.tracker import repair_store, upload_outboxes
 
-    store = tracking.resolve_store(mlflow_settings(args))
+    store = resolve_store(mlflow_settings(args))
     if store.tracking_uri.startswith("sqlite:///") and not Path(store.tracking_uri[10:]).exists():
         say(f"ember: no MLflow store at {store.tracking_uri[10:]}: nothing to {args.runs_command}")
         return EXIT_OK
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(store.tracking_uri)
-    uploaded = tracking.upload_outboxes(client, store.tracking_uri)
-    left = tracking.outbox.pending(tracking.outbox.default_root(), store.tracking_uri)
+    client = mlflow_client(store.tracking_uri)
+    uploaded = upload_outboxes(client, store.tracking_uri)
+    left = outbox.pending(outbox.default_root(), store.tracking_uri)
     if left:
         say(f"ember: {len(left)} outbox(es) for {store.tracking_uri} could not be uploaded yet: "
             f"{left[0].parent}")
@@ -452,9 +451,9 @@ def cmd_runs(args: argparse.Namespace) -> int:
         say(f"ember: no records waiting for {store.tracking_uri}")
     if args.runs_command == "upload":
         return EXIT_OK if not left else EXIT_FAILED
-    repaired = tracking.repair_store(client, store.tracking_uri)
+    repaired = repair_store(client, store.tracking_uri)
     say(f"ember: {len(repaired)} run(s) of dead processes closed as KILLED in {store.tracking_uri}"
-        if repaired else f"no run of a dead process in {store.tracking_uri}")
+        if repaired else f"ember: no run of a dead process in {store.tracking_uri}")
     return EXIT_OK if not left else EXIT_FAILED
 
 
@@ -578,12 +577,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command in MODEL_COMMANDS:
             check_model(args)
         if args.command in RECORDING_COMMANDS and not getattr(args, "no_mlflow", False):
-            from ember.tracking import check_reachable, resolve_store
+            from ember.records.store import check_reachable, resolve_store
 
             check_reachable(resolve_store(mlflow_settings(args)).tracking_uri)
-        from ember import tracking
+        from ember.records.store import quiet_mlflow_logging
 
-        tracking.quiet_mlflow_logging()
+        quiet_mlflow_logging()
         return COMMANDS[args.command](args)
     except EmberError as error:
         say("ember: " + str(error))

@@ -399,10 +399,10 @@ def test_sigkill_keeps_the_last_checkpoint_and_the_next_command_closes_the_run(w
         if process.poll() is None:
             process.kill()
     assert only_run(workdir, "t_sigkill").info.status == "RUNNING"
-    from ember import tracking
+    from ember.records.tracker import repair_store
 
     store = f"sqlite:///{workdir / 'outputs' / 'mlflow.db'}"
-    repaired = tracking.repair_store(client(workdir), store)
+    repaired = repair_store(client(workdir), store)
     assert [r.run_id for r in repaired] == [run_id]
     run = only_run(workdir, "t_sigkill")
     assert run.info.status == "KILLED" and run.info.end_time >= run.info.start_time
