@@ -3,6 +3,7 @@ sweep parent runs and how a sweep is closed when jobs fail or die."""
 
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
 
@@ -128,3 +129,20 @@ def test_sweep_parent_names_failed_and_dead_jobs(store_dir, monkeypatch):
     assert run.info.run_name == "sweep[layer=0,1,2] smollm2-135m"
     assert sweep.summary == summary, "kept in the sweep file, for the process that started the sweep"
     sweep.forget()
+
+
+def test_recording_off_has_the_same_methods_and_writes_nothing():
+    from ember.records.run import NullRecord, RunRecord, open_run
+
+    def public(cls) -> dict[str, object]:
+        return {name: inspect.signature(member) for name, member in vars(cls).items()
+                if callable(member) and not name.startswith("_")}
+
+    assert public(NullRecord) == public(RunRecord)
+    off = open_run(MlflowSettings(None, "off", enabled=False), "a run", {})
+    assert isinstance(off, NullRecord) and off.run_id is None and off.waiting() is None
+    off.log_metrics([("m", 1.0, 0), ("m", 2.0, 3)])
+    off.result("probe", ExperimentResult(metrics=[Metric("rms", 2.0, 3)]))
+    assert off.metrics == {"m": 1.0, "probe.rms": 2.0}, "metrics are remembered with recording off too"
+    with pytest.raises(AttributeError):
+        off.log_metric([("m", 1.0, 0)])  # a misspelt method fails, recording on or off
