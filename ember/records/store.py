@@ -76,7 +76,6 @@ def quiet_mlflow_logging() -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
-
 def _http_status(error: Exception) -> int | None:
     try:
         return int(error.get_http_status_code())  # type: ignore[attr-defined]
