@@ -98,9 +98,9 @@ def main() -> None:
     parser.add_argument("--json", help="write the figures to this file")
     args = parser.parse_args()
 
-    from ember import tracking
+    from ember.records.store import quiet_mlflow_logging
 
-    tracking.quiet_mlflow_logging()
+    quiet_mlflow_logging()
     calls = count_mlflow_calls()
     saved = os.getcwd()
     results: dict[str, list[dict[str, Any]]] = {name: [] for name in JOBS}

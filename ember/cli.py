@@ -32,9 +32,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ember.console import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, say
 from ember.errors import ConfigError, EmberError
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 DEFAULT_MODEL = "smollm2-135m"
 
 # Which refusal each subcommand is subject to (generate: only with --dump-layers / --dump-logits).
@@ -156,10 +156,6 @@ def build_parser() -> argparse.ArgumentParser:
 # ------------------------------------------------------------------------------------ helpers
 
 
-def say(message: str) -> None:
-    print(f"ember: {message}", file=sys.stderr, flush=True)
-
-
 def experiment_specs(texts: Sequence[str]) -> list[Any]:
     """`name` or `name:key=value,key=value` (values read as YAML scalars) -> ExperimentSpec."""
     import yaml
@@ -232,8 +228,8 @@ def _finish_trace(args: argparse.Namespace, tracer: Any, log: Any) -> None:
     if tracer is None:
         return
     path = tracer.write(args.trace)
-    log.files([path], "trace")
-    say(f"trace written to {path} (open in https://ui.perfetto.dev)")
+    log.log_file(path, "trace")
+    say(f"ember: trace written to {path} (open in https://ui.perfetto.dev)")
 
 
 # ------------------------------------------------------------------------------------ commands
@@ -257,13 +253,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     options = dict(max_new_tokens=args.max_new_tokens, tracer=tracer, **_sampling_options(args))
     with mlflow_run(mlflow_settings(args), f"{name} {model.source.name}", _model_tags(model),
                     command="ember generate") as log:
-        log.params({"prompt": args.prompt, "chat": args.chat, **options, "tracer": tracer is not None,
-                    "experiments": " ".join(args.experiment), "dump_layers": args.dump_layers,
-                    "dump_logits": args.dump_logits})
+        log.log_params({"prompt": args.prompt, "chat": args.chat, **options, "tracer": tracer is not None,
+                        "experiments": " ".join(args.experiment), "dump_layers": args.dump_layers,
+                        "dump_logits": args.dump_logits})
         if not args.chat:
             print(args.prompt, end="", flush=True)
         # The text so far goes into the run as it comes (ember.runs.checkpoint): a killed run keeps it.
-        checkpoints = Checkpoints(log.tracker, log.run_id, model.tokenize(prompt), experiments, show=stream)
+        checkpoints = Checkpoints(log, model.tokenize(prompt), experiments, show=stream)
         options.update(on_text=checkpoints.on_text, on_token=checkpoints.on_token)
         status = EXIT_OK
         try:
@@ -275,8 +271,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
                                          logits=args.dump_logits, **options)
                 generation = result.generation
                 print(flush=True)
-                log.files(result.files, "dump")
-                say(f"dump of {result.index['evaluations']} evaluations written to {folder}")
+                for file in result.files:
+                    log.log_file(file, "dump")
+                say(f"ember: dump of {result.index['evaluations']} evaluations written to {folder}")
             else:
                 try:
                     generation = model.generate(prompt, experiments=experiments, **options)
@@ -284,8 +281,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                     generation, status = failure.generation, EXIT_FAILED
                     log.failed = True
                     print(flush=True)
-                    say(str(failure))
-                    log.tags({"ember.failure": str(failure)})
+                    say("ember: " + str(failure))
+                    log.set_tags({"ember.failure": str(failure)})
                 else:
                     print(flush=True)
         except KeyboardInterrupt:  # the run ends KILLED with exactly the text shown
@@ -295,8 +292,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         _finish_trace(args, tracer, log)
         if generation is not None:
             t = generation.timings
-            say(f"{len(generation.token_ids)} tokens, prefill {t.prefill_tokens_per_second:.1f} tok/s, "
-                f"decode {t.decode_tokens_per_second:.1f} tok/s")
+            say(f"ember: {len(generation.token_ids)} tokens, prefill {t.prefill_tokens_per_second:.1f} "
+                f"tok/s, decode {t.decode_tokens_per_second:.1f} tok/s")
     return status
 
 
@@ -307,23 +304,20 @@ def stream(piece: str) -> None:
 def _log_generation(log: Any, generation: Any) -> None:
     if generation is None:
         return
-    from ember import tracking
-
     t = generation.timings
-    log.metrics([("tokens.prompt", len(generation.prompt_token_ids), 0),
-                 ("tokens.generated", len(generation.token_ids), 0),
-                 ("prefill.tokens_per_second", t.prefill_tokens_per_second, 0),
-                 ("decode.tokens_per_second", t.decode_tokens_per_second, 0)])
+    log.log_metrics([("tokens.prompt", len(generation.prompt_token_ids), 0),
+                     ("tokens.generated", len(generation.token_ids), 0),
+                     ("prefill.tokens_per_second", t.prefill_tokens_per_second, 0),
+                     ("decode.tokens_per_second", t.decode_tokens_per_second, 0)])
     from ember.runs.records import generation_record
 
-    log.json(generation_record(generation), "generation.json")  # the checkpoints' names, now complete
-    log.text(generation.text, "generation.txt")
+    log.log_json(generation_record(generation), "generation.json")  # the checkpoints' names, now complete
+    log.log_text(generation.text, "generation.txt")
     from ember.runs.summary import experiment_summary
 
     for name, result in generation.experiment_results.items():
-        if log.enabled:
-            tracking.log_experiment_result(log.tracker, log.run_id, name, result)
-        say(experiment_summary(name, result))
+        log.result(name, result)
+        say(f"ember: {experiment_summary(name, result)}")
 
 
 def _extract(args: argparse.Namespace, log: Any) -> tuple[Any, Any, Any, list[int]]:
@@ -347,11 +341,11 @@ def cmd_extract(args: argparse.Namespace) -> int:
         model, prompt_set, states, layers = _extract(args, log)
         out = save_states(args.out or Path("outputs") / "states" / f"{_stamp()}.npz", states, layers,
                           stage=args.stage, pool=args.pool, prompt_set=prompt_set, model=model)
-        log.tags(_model_tags(model))
-        log.params({"prompts": args.prompts, "layers": args.layers, "stage": args.stage, "pool": args.pool,
-                    "prompt_count": len(prompt_set)})
-        log.files([out], "states")
-        say(f"states {list(states.shape)} (prompt, layer, hidden) written to {out}")
+        log.set_tags(_model_tags(model))
+        log.log_params({"prompts": args.prompts, "layers": args.layers, "stage": args.stage,
+                        "pool": args.pool, "prompt_count": len(prompt_set)})
+        log.log_file(out, "states")
+        say(f"ember: states {list(states.shape)} (prompt, layer, hidden) written to {out}")
     return EXIT_OK
 
 
@@ -366,9 +360,10 @@ def cmd_probe(args: argparse.Namespace) -> int:
     with mlflow_run(mlflow_settings(args), f"probe {args.model}") as log:
         model, prompt_set, states, layers = _extract(args, log)
         report = probe_layers(states, prompt_set.labels, layers, folds=args.folds, seed=args.seed, l2=args.l2)
-        log.tags(_model_tags(model))
-        log.params({"prompts": args.prompts, "layers": args.layers, "stage": args.stage, "pool": args.pool,
-                    "folds": args.folds, "seed": args.seed, "l2": args.l2, "prompt_count": len(prompt_set)})
+        log.set_tags(_model_tags(model))
+        log.log_params({"prompts": args.prompts, "layers": args.layers, "stage": args.stage,
+                        "pool": args.pool, "folds": args.folds, "seed": args.seed, "l2": args.l2,
+                        "prompt_count": len(prompt_set)})
         log_probe_report(log, report)
         print(report.table())
     return EXIT_OK
@@ -428,10 +423,10 @@ def cmd_benchmark(args: argparse.Namespace) -> int:
         Path(args.json_path).write_text(text + "\n")
     with mlflow_run(mlflow_settings(args), f"benchmark {args.model}",
                     {"model.name": figures["model"]["name"], "model.path": figures["model"]["path"]}) as log:
-        log.params({k: v for k, v in figures["settings"].items()})
-        log.metrics([(f"benchmark.{key}", float(value), 0) for key, value in figures["results"].items()
-                     if isinstance(value, int | float)])
-        log.json(figures, "benchmark.json")
+        log.log_params({k: v for k, v in figures["settings"].items()})
+        log.log_metrics([(f"benchmark.{key}", float(value), 0) for key, value in figures["results"].items()
+                         if isinstance(value, int | float)])
+        log.log_json(figures, "benchmark.json")
         _finish_trace(args, tracer, log)
     return EXIT_OK
 
@@ -439,26 +434,27 @@ def cmd_benchmark(args: argparse.Namespace) -> int:
 def cmd_runs(args: argparse.Namespace) -> int:
     """`ember runs upload`: the records kept in outputs/mlflow-outbox while the store was away go to it;
     `ember runs repair`: that, then every RUNNING run whose process is gone is closed as KILLED."""
-    from ember import tracking
+    from ember.records import outbox
+    from ember.records.store import mlflow_client, resolve_store
+    from ember.records.tracker import repair_store, upload_outboxes
 
-    store = tracking.resolve_store(mlflow_settings(args))
+    store = resolve_store(mlflow_settings(args))
     if store.tracking_uri.startswith("sqlite:///") and not Path(store.tracking_uri[10:]).exists():
-        say(f"no MLflow store at {store.tracking_uri[10:]}: nothing to {args.runs_command}")
+        say(f"ember: no MLflow store at {store.tracking_uri[10:]}: nothing to {args.runs_command}")
         return EXIT_OK
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(store.tracking_uri)
-    uploaded = tracking.upload_outboxes(client, store.tracking_uri)
-    left = tracking.outbox.pending(tracking.outbox.default_root(), store.tracking_uri)
+    client = mlflow_client(store.tracking_uri)
+    uploaded = upload_outboxes(client, store.tracking_uri)
+    left = outbox.pending(outbox.default_root(), store.tracking_uri)
     if left:
-        say(f"{len(left)} outbox(es) for {store.tracking_uri} could not be uploaded yet: {left[0].parent}")
+        say(f"ember: {len(left)} outbox(es) for {store.tracking_uri} could not be uploaded yet: "
+            f"{left[0].parent}")
     elif not uploaded and args.runs_command == "upload":
-        say(f"no records waiting for {store.tracking_uri}")
+        say(f"ember: no records waiting for {store.tracking_uri}")
     if args.runs_command == "upload":
         return EXIT_OK if not left else EXIT_FAILED
-    repaired = tracking.repair_store(client, store.tracking_uri)
-    say(f"{len(repaired)} run(s) of dead processes closed as KILLED in {store.tracking_uri}"
-        if repaired else f"no run of a dead process in {store.tracking_uri}")
+    repaired = repair_store(client, store.tracking_uri)
+    say(f"ember: {len(repaired)} run(s) of dead processes closed as KILLED in {store.tracking_uri}"
+        if repaired else f"ember: no run of a dead process in {store.tracking_uri}")
     return EXIT_OK if not left else EXIT_FAILED
 
 
@@ -582,18 +578,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command in MODEL_COMMANDS:
             check_model(args)
         if args.command in RECORDING_COMMANDS and not getattr(args, "no_mlflow", False):
-            from ember.tracking import check_reachable, resolve_store
+            from ember.records.store import check_reachable, resolve_store
 
             check_reachable(resolve_store(mlflow_settings(args)).tracking_uri)
-        from ember import tracking
+        from ember.records.store import quiet_mlflow_logging
 
-        tracking.quiet_mlflow_logging()
+        quiet_mlflow_logging()
         return COMMANDS[args.command](args)
     except EmberError as error:
-        say(str(error))
+        say("ember: " + str(error))
         return EXIT_USAGE
     except KeyboardInterrupt:
-        say("interrupted")
+        say("ember: interrupted")
         return EXIT_INTERRUPTED
     finally:
         signal.signal(signal.SIGTERM, previous)

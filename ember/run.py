@@ -31,10 +31,13 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig
 
-from ember import tracking
+from ember.console import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, say
 from ember.errors import EmberError
-from ember.runs.execute import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, run_job, say
+from ember.records.store import check_reachable, quiet_mlflow_logging
+from ember.records.sweep import Sweep, SweepSummary
+from ember.runs.execute import run_job
 from ember.runs.overrides import describe_hydra_error, preflight
+from ember.runs.sweep_callback import finish
 
 # conf/hydra/launcher/{ray,submitit_local,submitit_slurm}.yaml keep the plugins' names on purpose
 # (hydra/launcher=ray) and extend their schemas; Hydra warns about the name each shares with the plugin's
@@ -82,10 +85,10 @@ def _main() -> int:
     from omegaconf.errors import OmegaConfBaseException
 
     _EXIT_CODES.clear()
-    tracking.quiet_mlflow_logging()
+    quiet_mlflow_logging()
     try:
         for uri in preflight(sys.argv[1:], CONF_DIR, "config"):
-            tracking.check_reachable(uri or os.environ.get("MLFLOW_TRACKING_URI") or "")
+            check_reachable(uri or os.environ.get("MLFLOW_TRACKING_URI") or "")
     except EmberError as error:
         say(f"ember: {error}")
         return EXIT_USAGE
@@ -110,7 +113,7 @@ def _main() -> int:
     except Exception as error:
         # A launcher's own crash (a joblib worker that died takes its pool down): the sweep is closed
         # FAILED and its jobs named, not left behind a traceback.
-        if tracking.active_sweep_dir() is None:
+        if Sweep.opened_here() is None:
             raise
         text = str(error).strip().splitlines()
         say(f"ember: the sweep's launcher stopped: {type(error).__name__}: {text[0] if text else ''}")
@@ -143,7 +146,7 @@ def _main() -> int:
     return max(_EXIT_CODES) if _EXIT_CODES else EXIT_OK
 
 
-def _report_sweep(sweep: tracking.SweepSummary, started: float) -> int:
+def _report_sweep(sweep: SweepSummary, started: float) -> int:
     jobs = sweep.jobs or len(_EXIT_CODES)
     for line in sweep.retried_jobs:
         say(f"ember: {line}")
@@ -161,17 +164,17 @@ def _report_sweep(sweep: tracking.SweepSummary, started: float) -> int:
     return EXIT_OK
 
 
-def _close_open_sweep(*, interrupted: bool) -> tracking.SweepSummary | None:
+def _close_open_sweep(*, interrupted: bool) -> SweepSummary | None:
     """The sweep this process started: closed by the callback already, or closed here (Ctrl-C,
     a launcher crash)."""
-    sweep_dir = tracking.active_sweep_dir()
-    if sweep_dir is None:
+    sweep = Sweep.opened_here()
+    if sweep is None:
         return None
-    summary = tracking.last_sweep()
+    summary = sweep.summary
     if summary is None or interrupted:
-        summary = tracking.finish_sweep(sweep_dir, interrupted=interrupted,
-                                        error=None if interrupted else "the sweep stopped before its end")
-    tracking.forget_active_sweep()
+        summary = finish(sweep, interrupted=interrupted,
+                         error=None if interrupted else "the sweep stopped before its end")
+    sweep.forget()
     return summary
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ember.errors import ConfigError, ContextLengthError
+from ember.records.store import MlflowSettings
 
 MISSING = "???"
 
@@ -48,13 +49,6 @@ class SamplingSettings:
     top_p: float
     min_p: float
     seed: int
-
-
-@dataclass(frozen=True, slots=True)
-class MlflowSettings:
-    tracking_uri: str | None
-    experiment_name: str
-    enabled: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -523,3 +517,20 @@ def _describe_type(hint: Any) -> str:
     if hint in names:
         return names[hint]
     return str(hint).replace("typing.", "")
+
+
+def settings_from_config(config: Any) -> MlflowSettings | None:
+    """The `mlflow` section of a (possibly invalid) config, or None when it cannot be read."""
+    from omegaconf import OmegaConf
+
+    section = OmegaConf.select(config, "mlflow", default=None)
+    if section is None:
+        return None
+    try:
+        return MlflowSettings(
+            tracking_uri=section.get("tracking_uri"),
+            experiment_name=str(section.get("experiment_name") or "ember"),
+            enabled=bool(section.get("enabled", True)),
+        )
+    except Exception:  # invalid values: each job reports them itself
+        return None

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ember.errors import ModelSourceError
+from ember.paths import ember_cache_dir
 
 _CHUNK = 1 << 22
 
@@ -87,22 +88,6 @@ KNOWN_MODELS: dict[str, KnownModel] = {
         size=253_113_024,
     ),
 }
-
-
-def ember_cache_dir() -> Path:
-    """The ember cache root: `$EMBER_CACHE`, else `ember` in the platform's user cache directory."""
-    env = os.environ.get("EMBER_CACHE")
-    if env:
-        return Path(env).expanduser()
-    home = Path.home()
-    if sys.platform == "win32":
-        base = Path(os.environ.get("LOCALAPPDATA") or home / "AppData" / "Local")
-    elif sys.platform == "darwin":
-        base = home / "Library" / "Caches"
-    else:
-        xdg = os.environ.get("XDG_CACHE_HOME")
-        base = Path(xdg) if xdg and os.path.isabs(xdg) else home / ".cache"
-    return base / "ember"
 
 
 def resolve_model(

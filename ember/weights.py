@@ -44,7 +44,7 @@ def remove_old_weight_cache() -> None:
     import shutil
     import sys
 
-    from ember.sources import ember_cache_dir
+    from ember.paths import ember_cache_dir
 
     old = ember_cache_dir() / "weights"
     if not old.is_dir():

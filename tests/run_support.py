@@ -210,3 +210,35 @@ class PauseAtDecode(Experiment):
             if time.monotonic() > deadline:
                 raise ExperimentError(f"waited {self.wait_seconds} s and nobody let this run resume")
             time.sleep(0.05)
+
+
+# ------------------------------------------------------------------------------------ the store of `workdir`
+
+
+def store_uri(workdir: Path) -> str:
+    return f"sqlite:///{workdir / 'outputs' / 'mlflow.db'}"
+
+
+def store_client(workdir: Path):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(store_uri(workdir))
+
+
+def runs_of(workdir: Path, experiment: str) -> list:
+    mlflow = store_client(workdir)
+    found = mlflow.get_experiment_by_name(experiment)
+    assert found is not None, f"no MLflow experiment {experiment!r}"
+    return mlflow.search_runs([found.experiment_id], max_results=1000)
+
+
+def only_run(workdir: Path, experiment: str):
+    runs = runs_of(workdir, experiment)
+    assert len(runs) == 1, [r.info.run_name for r in runs]
+    return runs[0]
+
+
+def artifact(workdir: Path, run, path: str) -> Path:
+    target = workdir / "downloads" / run.info.run_id
+    target.mkdir(parents=True, exist_ok=True)
+    return Path(store_client(workdir).download_artifacts(run.info.run_id, path, str(target)))

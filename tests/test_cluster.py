@@ -69,7 +69,7 @@ def ray_head(tmp_path_factory, server, worker_cache):
     The workers fetch models into a cache of their own, but load the quantized kernels numba compiled
     for this process (its JIT cache): compiling them again in a fresh cache costs each new worker
     minutes on two busy cores, and says nothing about a sweep."""
-    from ember.sources import ember_cache_dir
+    from ember.paths import ember_cache_dir
 
     folder = tmp_path_factory.mktemp("ray")
     jit = os.environ.get("NUMBA_CACHE_DIR") or str(ember_cache_dir() / "jit")

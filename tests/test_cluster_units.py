@@ -14,9 +14,12 @@ from omegaconf import OmegaConf
 from run_support import prepared_store
 
 from ember import run as runner
-from ember import tracking
 from ember.errors import ConfigError
-from ember.runs import placement
+from ember.records.store import CredentialsInUriError, describe_mlflow_error, resolve_store
+from ember.records.sweep import SWEEP_FILE, SWEEP_STORE_ENV, Sweep, handed_over_store
+from ember.records.tracker import FINISHED, KILLED, Tracker
+from ember.runconfig import settings_from_config
+from ember.runs import placement, sweep_callback
 from ember.runs.job import JobInfo, threads_for
 from ember.runs.objective import TrialFailed, parse_objective
 
@@ -30,7 +33,7 @@ def _clean_scheduler_env(monkeypatch):
         if name.startswith(("SLURM_", "SUBMITIT_")):
             monkeypatch.delenv(name)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    monkeypatch.delenv(tracking.SWEEP_STORE_ENV, raising=False)
+    monkeypatch.delenv(SWEEP_STORE_ENV, raising=False)
 
 
 # ------------------------------------------------------------------------------------ placement
@@ -82,9 +85,9 @@ def test_a_sweep_hands_its_parent_store_and_size_to_the_jobs_as_hydra_overrides(
     OmegaConf.update(config, "hydra.sweep.dir", "sweep")
     sweep_dir.mkdir()
     uri = "sqlite:////tmp/it's here/mlflow.db"
-    tracking.sweep_record_path(sweep_dir).write_text(
-        f'{{"run_id": "abc123", "tracking_uri": "{uri}", "experiment_id": "1"}}')
-    tracking.hand_over_to_jobs(config, "abc123", 12)
+    (sweep_dir / SWEEP_FILE).write_text(
+        f'{{"run_id": "abc123", "tracking_uri": "{uri}", "experiment_id": "1", "size": 12}}')
+    sweep_callback.hand_over_to_jobs(config, Sweep(sweep_dir))
     parsed = OverridesParser.create().parse_overrides(list(config.hydra.overrides.hydra))
     values = {o.key_or_group: o.value() for o in parsed}
     assert values["hydra.job.env_set.EMBER_MLFLOW_PARENT_RUN_ID"] == "abc123"
@@ -97,9 +100,9 @@ def test_a_sweep_job_records_where_its_parent_is(monkeypatch):
     from ember.runconfig import MlflowSettings
 
     settings = MlflowSettings(tracking_uri=None, experiment_name="e", enabled=True)
-    monkeypatch.setenv(tracking.SWEEP_STORE_ENV, "http://127.0.0.1:5999")
-    assert tracking.resolve_store(settings, sweep_job=True).tracking_uri == "http://127.0.0.1:5999"
-    assert tracking.resolve_store(settings).tracking_uri.startswith("sqlite:///")
+    monkeypatch.setenv(SWEEP_STORE_ENV, "http://127.0.0.1:5999")
+    assert resolve_store(settings, handed_over=handed_over_store()).tracking_uri == "http://127.0.0.1:5999"
+    assert resolve_store(settings).tracking_uri.startswith("sqlite:///")
 
 
 # ------------------------------------------------------------------------------------ objective
@@ -158,13 +161,13 @@ def test_a_refusal_is_one_line_without_the_credentials(monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "s3cret-pass")
     refused = MlflowException("API request failed with error code 401 != 200.\nResponse body: '...'",
                               error_code=UNAUTHENTICATED)
-    text = tracking.describe_mlflow_error(refused, "http://127.0.0.1:5999")
+    text = describe_mlflow_error(refused, "http://127.0.0.1:5999")
     assert "\n" not in text and "s3cret" not in text and "alice" not in text
     assert "refused the credentials in MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD" in text
     monkeypatch.delenv("MLFLOW_TRACKING_PASSWORD")
-    assert "asks for credentials" in tracking.describe_mlflow_error(refused, "http://x")
+    assert "asks for credentials" in describe_mlflow_error(refused, "http://x")
     denied = MlflowException("denied", error_code=PERMISSION_DENIED)
-    assert "EDIT permission" in tracking.describe_mlflow_error(denied, "http://x")
+    assert "EDIT permission" in describe_mlflow_error(denied, "http://x")
 
 
 @pytest.mark.parametrize("args, env", [
@@ -191,13 +194,13 @@ def test_every_store_a_job_records_to_is_checked_for_credentials(monkeypatch):
 
     settings = MlflowSettings(tracking_uri="postgresql://mlflow:pg-pass@db:5432/mlflow",
                               experiment_name="e", enabled=True)
-    with pytest.raises(tracking.CredentialsInUriError, match="PGPASSWORD") as refused:
-        tracking.resolve_store(settings)
+    with pytest.raises(CredentialsInUriError, match="PGPASSWORD") as refused:
+        resolve_store(settings)
     assert "pg-pass" not in str(refused.value) and "postgresql://db:5432/mlflow" in str(refused.value)
-    monkeypatch.setenv(tracking.SWEEP_STORE_ENV, "https://token@mlflow.example")  # handed to a sweep job
-    with pytest.raises(tracking.CredentialsInUriError, match="https://mlflow.example has credentials"):
-        tracking.resolve_store(MlflowSettings(None, "e", True), sweep_job=True)
-    assert tracking.resolve_store(MlflowSettings("postgresql://mlflow@db/mlflow", "e", True)).tracking_uri
+    monkeypatch.setenv(SWEEP_STORE_ENV, "https://token@mlflow.example")  # handed to a sweep job
+    with pytest.raises(CredentialsInUriError, match="https://mlflow.example has credentials"):
+        resolve_store(MlflowSettings(None, "e", True), handed_over=handed_over_store())
+    assert resolve_store(MlflowSettings("postgresql://mlflow@db/mlflow", "e", True)).tracking_uri
 
 
 # ------------------------------------------------------------------------------------ tags
@@ -238,11 +241,12 @@ def test_closing_a_sweep_judges_each_job_by_its_last_attempt(tmp_path, monkeypat
     prepared_store(tmp_path / "outputs")
     monkeypatch.chdir(tmp_path)
     sweep_dir = tmp_path / "sweep"
-    parent = tracking.start_sweep(sweep_config(sweep_dir, "closing"), 3)
-    store = tracking.resolve_store(tracking.settings_from_config(sweep_config(sweep_dir, "closing")))
-    tracker = tracking.Tracker(store, "closing")
+    sweep = sweep_callback.start(sweep_config(sweep_dir, "closing"), 3)
+    parent = sweep.run_id
+    store = resolve_store(settings_from_config(sweep_config(sweep_dir, "closing")))
+    tracker = Tracker(store, "closing")
     done = {}
-    for num, status in (("0", tracking.FINISHED), ("1", tracking.KILLED), ("1", tracking.FINISHED)):
+    for num, status in (("0", FINISHED), ("1", KILLED), ("1", FINISHED)):
         tags = {"ember.job": num, "ember.overrides": f"layer={num}"}
         run_id = tracker.start_run(f"job {num}", tags, parent)
         tracker.end_run(run_id, status)
@@ -250,7 +254,7 @@ def test_closing_a_sweep_judges_each_job_by_its_last_attempt(tmp_path, monkeypat
     # Job 2's run is open, and its process (this one) alive: after a launcher crash it may still be
     # running somewhere (a SLURM task outlives its submitter), so it is named, not closed.
     open_run = tracker.start_run("job 2", {"ember.job": "2", "ember.overrides": "layer=2"}, parent)
-    summary = tracking.finish_sweep(str(sweep_dir), error="the sweep stopped before its end")
+    summary = sweep_callback.finish(sweep, error="the sweep stopped before its end")
     assert [line.split(" (")[0] for line in summary.failed_jobs] == ["job #2"]
     assert summary.error == "the sweep stopped before its end" and not summary.ok
     assert "still running" in summary.failed_jobs[0]
@@ -259,13 +263,14 @@ def test_closing_a_sweep_judges_each_job_by_its_last_attempt(tmp_path, monkeypat
     assert tracker.client.get_run(open_run).info.status == "RUNNING"
     parent_run = tracker.client.get_run(parent)
     assert parent_run.info.status == "FAILED" and parent_run.data.tags["ember.sweep.child_runs"] == "4"
-    tracking.forget_active_sweep()
+    sweep.forget()
 
     # At a normal end every job has returned: a run still open has nobody left to close it.
     sweep_dir2 = tmp_path / "sweep2"
-    parent2 = tracking.start_sweep(sweep_config(sweep_dir2, "closing"), 1)
+    sweep2 = sweep_callback.start(sweep_config(sweep_dir2, "closing"), 1)
+    parent2 = sweep2.run_id
     left_open = tracker.start_run("job 0", {"ember.job": "0", "ember.overrides": "layer=0"}, parent2)
-    summary = tracking.finish_sweep(str(sweep_dir2), all_returned=True)
+    summary = sweep_callback.finish(sweep2, all_returned=True)
     assert tracker.client.get_run(left_open).info.status == "KILLED"
     assert "killed: its process died without closing its run" in summary.failed_jobs[0]
-    tracking.forget_active_sweep()
+    sweep2.forget()

@@ -1,6 +1,6 @@
 """A prompt set is each study run's dataset input. Jobs of a parallel sweep log the same new dataset at
 the same moment; MLflow's database stores look for the dataset's row and then insert it, so without
-care all but one of them fail on the table's key (ember.outbox._log_inputs). Real SQLite stores, real
+care all but one of them fail on the table's key (ember.records.outbox._log_inputs). Real SQLite stores, real
 threads released together."""
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 from run_support import prepared_store
 
-from ember import tracking
+from ember.records.store import Store
+from ember.records.tracker import Tracker
 
 JOBS = 8
 
@@ -24,7 +25,7 @@ def log_at_once(uri: str, experiment_id: str, run_ids: list[str], digest: str) -
     errors: list[str] = []
 
     def job(run_id: str) -> None:
-        tracker = tracking.Tracker.attach(tracking.Store(uri), experiment_id)
+        tracker = Tracker.attach(Store(uri), experiment_id)
         start.wait()
         try:
             tracker.log_dataset(run_id, "capitals", digest, "local", {"uri": "capitals.jsonl"}, rows=10)
@@ -67,7 +68,7 @@ def test_another_error_of_log_inputs_is_not_repeated(tmp_path: Path):
 
     uri = f"sqlite:///{prepared_store(tmp_path / 'outputs')}"
     experiment_id = MlflowClient(uri).create_experiment("missing run")
-    tracker = tracking.Tracker.attach(tracking.Store(uri), experiment_id)
+    tracker = Tracker.attach(Store(uri), experiment_id)
     calls = []
     log_inputs = tracker.client.log_inputs
     tracker.client.log_inputs = lambda *a, **k: (calls.append(1), log_inputs(*a, **k))

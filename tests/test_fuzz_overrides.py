@@ -19,7 +19,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from run_support import prepared_store
 
 from ember import cli
 from ember import run as runner
@@ -169,19 +168,12 @@ def cli_cases() -> list[list[str]]:
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory, smollm2_path, gemma3_path):
-    path = tmp_path_factory.mktemp("ember_fuzz")
-    prepared_store(path / "outputs")
-    saved = os.getcwd()
-    os.chdir(path)
-    yield path
-    os.chdir(saved)
+def workdir(workdir, gemma3_path):
+    """conftest's folder to run from, with Gemma 3 fetched too."""
+    return workdir
 
 
-@pytest.fixture(autouse=True)
-def _no_outside_store(monkeypatch):
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+pytestmark = pytest.mark.usefixtures("no_outside_store")
 
 
 def in_process(main, args: list[str], capsys) -> tuple[int | str, str, str, float]:

@@ -14,15 +14,19 @@ from pathlib import Path
 import pytest
 from run_support import prepared_store
 
-from ember import cli, heartbeat, tracking
+import ember.records.tracker
+from ember import cli
+from ember.records import heartbeat
+from ember.records.store import Store
+from ember.records.tracker import FINISHED, Tracker, repair_store
 
 REPO = Path(__file__).resolve().parent.parent
 
 OPEN_A_RUN = """
 import sys, time
-from ember import tracking
-from ember.runconfig import MlflowSettings
-tracker = tracking.Tracker(tracking.Store(sys.argv[1]), "beats")
+from ember.records.store import Store
+from ember.records.tracker import Tracker
+tracker = Tracker(Store(sys.argv[1]), "beats")
 run_id = tracker.start_run("doomed", {})
 print(run_id, flush=True)
 while True:  # until the test kills it
@@ -51,21 +55,21 @@ def open_run_in_a_process(store: str, **extra: str) -> tuple[subprocess.Popen, s
 
 
 def test_a_run_carries_its_process_and_a_heartbeat(store):
-    tracker = tracking.Tracker(tracking.Store(store), "beats")
+    tracker = Tracker(Store(store), "beats")
     run_id = tracker.start_run("alive", {})
     tags = tracker.client.get_run(run_id).data.tags
     assert tags["ember.pid"] == str(os.getpid()) and tags["ember.host"]
     assert abs(float(tags["ember.process_start"]) - heartbeat._start_time(os.getpid())) < 0.01
     assert dt.datetime.fromisoformat(tags["ember.heartbeat"]).tzinfo is not None
     assert heartbeat.dead_reason(tags) is None, "this process is alive"
-    assert tracking.repair_store(tracker.client, store) == []
-    tracker.end_run(run_id, tracking.FINISHED)
+    assert repair_store(tracker.client, store) == []
+    tracker.end_run(run_id, FINISHED)
 
 
 def test_heartbeats_advance_while_the_run_is_open(store):
     process, run_id = open_run_in_a_process(store, EMBER_HEARTBEAT_SECONDS="0.2")
     try:
-        client = tracking.Tracker(tracking.Store(store), "beats").client
+        client = Tracker(Store(store), "beats").client
         first = client.get_run(run_id).data.tags["ember.heartbeat"]
         deadline = time.monotonic() + HANG_GUARD
         while client.get_run(run_id).data.tags["ember.heartbeat"] == first and time.monotonic() < deadline:
@@ -123,8 +127,8 @@ def test_the_next_command_on_the_store_repairs_on_opening_it(store, capsys):
     process, run_id = open_run_in_a_process(store)
     process.kill()
     process.wait()
-    tracking._REPAIRED_STORES.discard(store)
-    tracking.Tracker(tracking.Store(store), "another experiment")
+    ember.records.tracker._REPAIRED_STORES.discard(store)
+    Tracker(Store(store), "another experiment")
     assert f"MLflow run {run_id} (doomed) was still RUNNING" in capsys.readouterr().err
     from mlflow.tracking import MlflowClient
 

@@ -21,7 +21,6 @@ from ember.inspection import (
     read_prompt_set,
 )
 from ember.inspection.probes import log_probe_report, stratified_folds
-from ember.inspection.records import RunLog
 
 DATA = Path(__file__).parent / "data"
 PROMPT = "The capital of France is"
@@ -162,7 +161,9 @@ def test_probe_on_synthetic_features() -> None:
 def test_probe_separates_english_and_french_and_logs_to_mlflow(smollm2, tmp_path: Path) -> None:
     from mlflow.tracking import MlflowClient
 
-    from ember import tracking
+    from ember.records.run import RunRecord
+    from ember.records.store import Store
+    from ember.records.tracker import FINISHED, Tracker
 
     prompt_set = read_prompt_set(DATA / "probe_prompts.jsonl")
     layers = list(range(0, smollm2.config.layer_count, 6))
@@ -173,11 +174,11 @@ def test_probe_separates_english_and_french_and_logs_to_mlflow(smollm2, tmp_path
     assert len(report.rows()) == len(layers)
     assert "layer  test_acc" in report.table()
 
-    store = tracking.Store(f"sqlite:///{prepared_store(tmp_path)}", (tmp_path / "artifacts").as_uri())
-    tracker = tracking.Tracker(store, "probe-test")
+    store = Store(f"sqlite:///{prepared_store(tmp_path)}", (tmp_path / "artifacts").as_uri())
+    tracker = Tracker(store, "probe-test")
     run_id = tracker.start_run("probe", {})
-    log_probe_report(RunLog(tracker, run_id), report)
-    tracker.end_run(run_id, tracking.FINISHED)
+    log_probe_report(RunRecord(tracker, run_id), report)
+    tracker.end_run(run_id, FINISHED)
     client = MlflowClient(store.tracking_uri)
     history = client.get_metric_history(run_id, "probe.test_accuracy")
     assert sorted(m.step for m in history) == layers

@@ -22,7 +22,10 @@ import numpy as np
 import pytest
 from run_support import prepared_store
 
-from ember import cli, outbox, tracking
+from ember import cli
+from ember.records import outbox
+from ember.records.store import Store, TrackingUnavailableError, check_reachable
+from ember.records.tracker import FINISHED, Tracker
 
 REPO = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
@@ -126,8 +129,8 @@ def test_a_server_refusing_credentials_is_named(tmp_path):
     try:
         uri = f"http://127.0.0.1:{server.server_port}"
         refused = r"refused ember's credentials \(HTTP 401\)"
-        with pytest.raises(tracking.TrackingUnavailableError, match=refused):
-            tracking.check_reachable(uri)
+        with pytest.raises(TrackingUnavailableError, match=refused):
+            check_reachable(uri)
     finally:
         server.shutdown()
 
@@ -142,11 +145,11 @@ def open_store(folder: Path) -> tuple[str, object]:
     return uri, MlflowClient(uri)
 
 
-def write_a_run_while_away(tmp_path: Path, client, experiment_id: str) -> tuple[str, Path, tracking.Tracker]:
+def write_a_run_while_away(tmp_path: Path, client, experiment_id: str) -> tuple[str, Path, Tracker]:
     """A run that exists in the store, then written through a tracker whose server refuses connections:
     every write lands in the outbox, in order."""
     run_id = client.create_run(experiment_id, run_name="away").info.run_id
-    away = tracking.Tracker.attach(tracking.Store(f"http://127.0.0.1:{closed_port()}"), experiment_id,
+    away = Tracker.attach(Store(f"http://127.0.0.1:{closed_port()}"), experiment_id,
                                    outbox_root=tmp_path / "outbox")
     away.log_params(run_id, {"p": 1, "q": "two"})
     away.set_tags(run_id, {"t": "v"})
@@ -166,7 +169,7 @@ def test_records_written_while_away_are_journaled_in_order(tmp_path, capsys):
     ops = [json.loads(line) for line in (folder / "journal.jsonl").read_text().splitlines()]
     assert [op["op"] for op in ops] == ["log_batch"] * 3 + ["artifact"] * 3
     assert ops[3]["file"].endswith("generation.json") and ops[4]["dir"] == "experiments/x"
-    away.end_run(run_id, tracking.FINISHED)  # the end is journaled too; the server is still away
+    away.end_run(run_id, FINISHED)  # the end is journaled too; the server is still away
     assert json.loads((folder / "journal.jsonl").read_text().splitlines()[-1])["op"] == "terminate"
     assert client.get_run(run_id).info.status == "RUNNING", "nothing reached the store"
 
@@ -175,7 +178,7 @@ def test_upload_delivers_everything_once_even_when_repeated(tmp_path):
     uri, client = open_store(tmp_path / "store")
     experiment = client.create_experiment("away")
     run_id, folder, away = write_a_run_while_away(tmp_path, client, experiment)
-    away.end_run(run_id, tracking.FINISHED)
+    away.end_run(run_id, FINISHED)
     copy = tmp_path / "copy"
     shutil.copytree(folder, copy, ignore=shutil.ignore_patterns(".lock"))
 
@@ -201,12 +204,12 @@ def test_upload_delivers_everything_once_even_when_repeated(tmp_path):
 def test_a_run_started_while_away_is_created_once_at_upload(tmp_path):
     uri, client = open_store(tmp_path / "store")
     experiment = client.create_experiment("away")
-    away = tracking.Tracker.attach(tracking.Store(f"http://127.0.0.1:{closed_port()}"), experiment,
+    away = Tracker.attach(Store(f"http://127.0.0.1:{closed_port()}"), experiment,
                                    outbox_root=tmp_path / "outbox")
     run_id = away.start_run("started while away", {"k": "v"})
     assert run_id.startswith(outbox.PENDING_PREFIX)
     away.log_metrics(run_id, [("m", 1.0, 0)])
-    away.end_run(run_id, tracking.FINISHED)
+    away.end_run(run_id, FINISHED)
     folder = tmp_path / "outbox" / run_id
     copy = tmp_path / "copy"
     shutil.copytree(folder, copy, ignore=shutil.ignore_patterns(".lock"))
@@ -225,9 +228,9 @@ def test_the_next_command_and_runs_upload_send_kept_records(tmp_path, monkeypatc
     experiment = client.create_experiment("away")
     monkeypatch.chdir(tmp_path)
     run_id = client.create_run(experiment).info.run_id
-    away = tracking.Tracker.attach(tracking.Store(f"http://127.0.0.1:{closed_port()}"), experiment)
+    away = Tracker.attach(Store(f"http://127.0.0.1:{closed_port()}"), experiment)
     away.log_metrics(run_id, [("m", 3.0, 0)])
-    away.end_run(run_id, tracking.FINISHED)
+    away.end_run(run_id, FINISHED)
     folder = tmp_path / "outputs" / "mlflow-outbox" / run_id
     store = json.loads((folder / "store.json").read_text())
     store["tracking_uri"] = uri  # as if the store that was away were this one
@@ -307,10 +310,10 @@ def test_the_next_run_on_the_server_uploads_the_kept_records_once(tmp_path, smol
     experiment = database.create_experiment("t_kept", artifact_location="mlflow-artifacts:/t_kept")
     run_id = database.create_run(experiment, run_name="kept while away").info.run_id
     database.log_metric(run_id, "before", 1.0, step=0)
-    away = tracking.Tracker.attach(tracking.Store(base), experiment, outbox_root=kept_root)
+    away = Tracker.attach(Store(base), experiment, outbox_root=kept_root)
     away.log_metrics(run_id, [("series", float(i), i) for i in range(5)])
     away.log_json(run_id, {"text": "kept"}, "generation.json")
-    away.end_run(run_id, tracking.FINISHED)
+    away.end_run(run_id, FINISHED)
     kept = kept_root / run_id
     assert len((kept / "journal.jsonl").read_text().splitlines()) == 3, "metrics, artifact, end"
 

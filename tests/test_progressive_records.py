@@ -15,47 +15,14 @@ import time
 from pathlib import Path
 
 import pytest
-from run_support import ctrl_c_as_in_a_terminal, prepared_store
+from run_support import artifact, ctrl_c_as_in_a_terminal, only_run
+from run_support import store_uri as store
 
 REPO = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
 PROMPT = "The capital of France is"
 
-
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory, smollm2_path):
-    path = tmp_path_factory.mktemp("progressive")
-    prepared_store(path / "outputs")
-    return path
-
-
-@pytest.fixture(autouse=True)
-def _no_outside_store(monkeypatch):
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-
-
-def store(workdir: Path) -> str:
-    return f"sqlite:///{workdir / 'outputs' / 'mlflow.db'}"
-
-
-def client(workdir: Path):
-    from mlflow.tracking import MlflowClient
-
-    return MlflowClient(store(workdir))
-
-
-def only_run(workdir: Path, experiment: str):
-    found = client(workdir).get_experiment_by_name(experiment)
-    assert found is not None, f"no MLflow experiment {experiment!r}"
-    runs = client(workdir).search_runs([found.experiment_id])
-    assert len(runs) == 1, [r.info.run_name for r in runs]
-    return runs[0]
-
-
-def artifact(workdir: Path, run, path: str) -> Path:
-    target = workdir / "downloads" / run.info.run_id
-    target.mkdir(parents=True, exist_ok=True)
-    return Path(client(workdir).download_artifacts(run.info.run_id, path, str(target)))
+pytestmark = pytest.mark.usefixtures("no_outside_store")
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:

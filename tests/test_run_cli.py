@@ -19,7 +19,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from run_support import ctrl_c_as_in_a_terminal, prepared_store
+from run_support import artifact, ctrl_c_as_in_a_terminal, only_run, runs_of
+from run_support import store_client as client
 
 from ember import run as runner
 from ember.runs import models
@@ -27,47 +28,7 @@ from ember.runs import models
 REPO = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
 
-
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory, smollm2_path):
-    """A folder to run from: the default store lands in its outputs/."""
-    path = tmp_path_factory.mktemp("ember_run")
-    prepared_store(path / "outputs")
-    saved = os.getcwd()
-    os.chdir(path)
-    yield path
-    os.chdir(saved)
-
-
-@pytest.fixture(autouse=True)
-def _no_outside_store(monkeypatch):
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
-
-
-def client(workdir: Path):
-    from mlflow.tracking import MlflowClient
-
-    return MlflowClient(f"sqlite:///{workdir / 'outputs' / 'mlflow.db'}")
-
-
-def runs_of(workdir: Path, experiment: str) -> list:
-    mlflow = client(workdir)
-    found = mlflow.get_experiment_by_name(experiment)
-    assert found is not None, f"no MLflow experiment {experiment!r}"
-    return mlflow.search_runs([found.experiment_id], max_results=1000)
-
-
-def only_run(workdir: Path, experiment: str):
-    runs = runs_of(workdir, experiment)
-    assert len(runs) == 1, [r.info.run_name for r in runs]
-    return runs[0]
-
-
-def artifact(workdir: Path, run, path: str) -> Path:
-    target = workdir / "downloads" / run.info.run_id
-    target.mkdir(parents=True, exist_ok=True)
-    return Path(client(workdir).download_artifacts(run.info.run_id, path, str(target)))
+pytestmark = pytest.mark.usefixtures("no_outside_store")
 
 
 def artifact_paths(workdir: Path, run) -> set[str]:
@@ -395,10 +356,10 @@ def test_sigkill_keeps_the_last_checkpoint_and_the_next_command_closes_the_run(w
             process.kill()
     run_id = only_run(workdir, "t_sigkill").info.run_id
     assert only_run(workdir, "t_sigkill").info.status == "RUNNING"
-    from ember import tracking
+    from ember.records.tracker import repair_store
 
     store = f"sqlite:///{workdir / 'outputs' / 'mlflow.db'}"
-    repaired = tracking.repair_store(client(workdir), store)
+    repaired = repair_store(client(workdir), store)
     assert [r.run_id for r in repaired] == [run_id]
     run = only_run(workdir, "t_sigkill")
     assert run.info.status == "KILLED" and run.info.end_time >= run.info.start_time

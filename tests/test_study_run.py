@@ -5,41 +5,15 @@ mistakes in the prompt-set config."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
-from run_support import prepared_store
+from run_support import runs_of
+from run_support import store_client as client
 
 from ember import run as runner
 
-
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory, smollm2_path):
-    path = tmp_path_factory.mktemp("ember_study")
-    prepared_store(path / "outputs")
-    saved = os.getcwd()
-    os.chdir(path)
-    yield path
-    os.chdir(saved)
-
-
-@pytest.fixture(autouse=True)
-def _no_outside_store(monkeypatch):
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-
-
-def client(workdir: Path):
-    from mlflow.tracking import MlflowClient
-
-    return MlflowClient(f"sqlite:///{workdir / 'outputs' / 'mlflow.db'}")
-
-
-def runs_of(workdir: Path, experiment: str) -> list:
-    mlflow = client(workdir)
-    found = mlflow.get_experiment_by_name(experiment)
-    assert found is not None
-    return mlflow.search_runs([found.experiment_id], max_results=100)
+pytestmark = pytest.mark.usefixtures("no_outside_store")
 
 
 def table(workdir: Path, run, path: str) -> dict:

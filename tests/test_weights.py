@@ -12,8 +12,8 @@ from gguf import GGMLQuantizationType as Q
 from ember.errors import GGUFError
 from ember.gguf_file import GGUFFile
 from ember.ops import gather_rows, linear
+from ember.paths import ember_cache_dir
 from ember.quant.matrix import QuantizedMatrix, StackedMatrix
-from ember.sources import ember_cache_dir
 from ember.weights import FileRows, WeightStore
 
 RNG = np.random.default_rng(7)

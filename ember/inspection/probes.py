@@ -130,15 +130,15 @@ def probe_layers(states: np.ndarray, labels: Sequence[str], layers: Sequence[int
 
 def log_probe_report(log: Any, report: ProbeReport, prefix: str = "probe") -> None:
     """Metrics per layer (step = layer), the table as JSON/CSV/text and the accuracy plot."""
-    from ember.tracking import table_csv
+    from ember.records.values import table_csv
 
     rows = report.rows()
-    log.metrics([(f"{prefix}.test_accuracy", r["test_accuracy"], r["layer"]) for r in rows]
-                + [(f"{prefix}.train_accuracy", r["train_accuracy"], r["layer"]) for r in rows]
-                + [(f"{prefix}.best_test_accuracy", float(report.test_accuracy.max()), 0),
-                   (f"{prefix}.chance", report.chance, 0)])
-    log.json(rows, f"{prefix}/accuracy_by_layer.json")
-    log.text(table_csv(rows), f"{prefix}/accuracy_by_layer.csv")
-    log.text(report.table() + "\n", f"{prefix}/accuracy_by_layer.txt")
-    if log.enabled:
-        log.figure(report.figure(), f"{prefix}/accuracy_by_layer.png")
+    log.log_metrics([(f"{prefix}.test_accuracy", r["test_accuracy"], r["layer"]) for r in rows]
+                    + [(f"{prefix}.train_accuracy", r["train_accuracy"], r["layer"]) for r in rows]
+                    + [(f"{prefix}.best_test_accuracy", float(report.test_accuracy.max()), 0),
+                       (f"{prefix}.chance", report.chance, 0)])
+    log.log_json(rows, f"{prefix}/accuracy_by_layer.json")
+    log.log_text(table_csv(rows), f"{prefix}/accuracy_by_layer.csv")
+    log.log_text(report.table() + "\n", f"{prefix}/accuracy_by_layer.txt")
+    if log.recording:
+        log.log_figure(report.figure(), f"{prefix}/accuracy_by_layer.png")

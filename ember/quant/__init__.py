@@ -22,7 +22,7 @@ from functools import cache
 
 def _point_numba_cache() -> None:
     if "NUMBA_CACHE_DIR" not in os.environ:
-        from ember.sources import ember_cache_dir
+        from ember.paths import ember_cache_dir
 
         os.environ["NUMBA_CACHE_DIR"] = str(ember_cache_dir() / "jit")
 

@@ -9,7 +9,7 @@ under the names of its final records, so a finished run holds no stale checkpoin
 - a study: the rows of the items done so far in `study/items.json` (`ember.runs.study`, on `Interval`).
 A run killed with SIGKILL (or by the OOM killer) keeps the last checkpoint, and an interrupted one
 (Ctrl-C, SIGTERM) gets one more at the moment it stops, with exactly the text already shown on the
-console; the next ember command on the store closes the killed run as KILLED (`ember.heartbeat`).
+console; the next ember command on the store closes the killed run as KILLED (`ember.records.heartbeat`).
 
 The cost is one `results()` call per experiment and a few small artifact writes per interval (measured
 on the SQLite store with `activation_stats` after 64 tokens, 2-core machine at load 13: 85 ms median a
@@ -23,7 +23,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ember import tracking
+from ember.records.run import Record
+from ember.records.tracker import experiment_folder
+from ember.records.values import table_csv
 
 
 def interval_seconds() -> float:
@@ -45,13 +47,12 @@ class Interval:
 
 
 class Checkpoints:
-    """The text and tokens of one generation as they come, written to the run (`tracker`, `run_id`;
-    nothing without them) at intervals."""
+    """The text and tokens of one generation as they come, written to the run (`record`; nothing while it
+    is not recording) at intervals."""
 
-    def __init__(self, tracker: tracking.Tracker | None, run_id: str | None, prompt_ids: Sequence[int],
-                 experiments: Sequence[Any], show: Callable[[str], None] | None = None) -> None:
-        self.tracker = tracker
-        self.run_id = run_id
+    def __init__(self, record: Record, prompt_ids: Sequence[int], experiments: Sequence[Any],
+                 show: Callable[[str], None] | None = None) -> None:
+        self.record = record
         self.prompt_ids = list(prompt_ids)
         self.experiments = list(experiments)
         self.show = show
@@ -77,7 +78,7 @@ class Checkpoints:
     def write(self, state: str) -> None:
         """The generation and the experiments' results so far, under their final artifact names."""
         self.interval.restart()
-        if self.tracker is None or self.run_id is None:
+        if not self.record.recording:
             return
         self.writes += 1
         # The experiments' results first, generation.json last: a run killed between two writes never
@@ -87,24 +88,20 @@ class Checkpoints:
                 result = experiment.results()
             except Exception:  # an experiment that cannot report mid-way: its final results still count
                 continue
-            write_partial_result(self.tracker, self.run_id, str(experiment.name), result)
-        self.tracker.log_text(self.run_id, self.text, "generation.txt")
-        self.tracker.log_json(self.run_id, {"text": self.text, "prompt_token_ids": self.prompt_ids,
-                                            "token_ids": self.token_ids, "stop_reason": state,
-                                            "complete": False}, "generation.json")
+            write_partial_result(self.record, str(experiment.name), result)
+        self.record.log_text(self.text, "generation.txt")
+        self.record.log_json({"text": self.text, "prompt_token_ids": self.prompt_ids,
+                              "token_ids": self.token_ids, "stop_reason": state, "complete": False},
+                             "generation.json")
 
 
-def experiment_folder(name: str) -> str:
-    return f"experiments/{tracking.metric_key(name).replace(' ', '_').replace('/', '_')}"
-
-
-def write_partial_result(tracker: tracking.Tracker, run_id: str, name: str, result: Any) -> None:
+def write_partial_result(record: Record, name: str, result: Any) -> None:
     """Metrics (as JSON: MLflow metrics cannot be taken back) and tables of a result so far."""
     folder = experiment_folder(name)
     metrics = [{"name": m.name, "value": m.value, "step": m.step} for m in result.metrics]
-    tracker.log_json(run_id, metrics, f"{folder}/metrics.json")
+    record.log_json(metrics, f"{folder}/metrics.json")
     for table, rows in result.tables.items():
         rows = list(rows)
-        tracker.log_json(run_id, rows, f"{folder}/{table}.json")
+        record.log_json(rows, f"{folder}/{table}.json")
         if rows:
-            tracker.log_text(run_id, tracking.table_csv(rows), f"{folder}/{table}.csv")
+            record.log_text(table_csv(rows), f"{folder}/{table}.csv")

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from ember.experiments import Experiment
-from ember.runs.records import Recorder
+from ember.records.run import Record
 
 
 class LogitsRecorder(Experiment):
@@ -74,7 +74,7 @@ def measure_effect(model: Any, prompt_ids: list[int], generated: list[int],
     return intervention_effect(clean, np.stack(recorded[:steps]))
 
 
-def record_effect(recorder: Recorder, effect: InterventionEffect) -> None:
+def record_effect(recorder: Record, effect: InterventionEffect) -> None:
     s = effect.summary()
     metrics = [("effect.kl", float(v), i) for i, v in enumerate(effect.kl)]
     metrics += [("effect.top1_agree", float(v), i) for i, v in enumerate(effect.top1_agree)]

@@ -16,27 +16,24 @@ from typing import Any
 from mlflow.exceptions import MlflowException
 from omegaconf import DictConfig, OmegaConf
 
-from ember import tracking
+from ember.console import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, say
 from ember.errors import EmberError
 from ember.experiments import ExperimentFailure
 from ember.provenance import config_digest, environment_tags, flatten
-from ember.runconfig import describe_error
+from ember.records.run import NullRecord, Record
+from ember.records.store import describe_mlflow_error
+from ember.records.sweep import write_job_status
+from ember.records.tracker import FAILED, FINISHED, KILLED, SOURCE_TAGS
+from ember.records.values import failure_record, failure_tags
+from ember.runconfig import describe_error, settings_from_config
 from ember.runs import models
 from ember.runs.checkpoint import Checkpoints
 from ember.runs.effect import LogitsRecorder, measure_effect, record_effect
 from ember.runs.job import JobInfo, threads_for
 from ember.runs.objective import Objective, TrialFailed, parse_objective, sweeper_direction
 from ember.runs.prepare import Prepared, prepare
-from ember.runs.records import Recorder, generation_metrics, generation_record, model_tags
+from ember.runs.records import generation_metrics, generation_record, job_params, model_tags, open_job_record
 from ember.runs.summary import experiment_summary
-from ember.tracking import FAILED, FINISHED, KILLED
-
-# Exit statuses.
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
-
-
-def say(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,11 +106,12 @@ def _execute(cfg: DictConfig, job: JobInfo) -> JobOutcome:
     threads = threads_for(job, prepared.run.threads)
     from threadpoolctl import threadpool_limits
 
-    recorder = Recorder(prepared.run.mlflow, job)
+    recorder: Record = NullRecord()
     status, code, detail = FAILED, EXIT_FAILED, ""
     value = None
     try:
         with threadpool_limits(threads):
+            recorder = _open_record(prepared, job, threads)
             code, detail = _run_prepared(prepared, job, recorder, threads, where)
             if code == EXIT_OK and objective is not None:
                 code, detail, value = _record_objective(objective, recorder, where)
@@ -128,8 +126,8 @@ def _execute(cfg: DictConfig, job: JobInfo) -> JobOutcome:
         recorder.set_tags({"ember.error": detail})
         code = EXIT_USAGE
     except MlflowException as error:
-        uri = recorder.tracker.store.tracking_uri if recorder.tracker else recorder.settings.tracking_uri
-        detail = tracking.describe_mlflow_error(error, uri or "the default store")
+        uri = recorder.store_uri or prepared.run.mlflow.tracking_uri
+        detail = describe_mlflow_error(error, uri or "the default store")
         say(f"ember: {where}{detail}")
     except Exception as error:  # a bug, not a user mistake: keep the traceback in the record
         text = traceback.format_exc()
@@ -143,7 +141,7 @@ def _execute(cfg: DictConfig, job: JobInfo) -> JobOutcome:
             recorder.log_metrics([("job.seconds", time.perf_counter() - started, 0)])
             recorder.close(status)
             if recorder.last_run_id is not None:
-                waiting = recorder.tracker.outbox_of(recorder.last_run_id) if recorder.tracker else None
+                waiting = recorder.waiting()
                 say(f"ember: {where}recorded as MLflow run {recorder.last_run_id} ({status}) in "
                     f"{recorder.store_uri}" + (f"; records waiting for it in {waiting}" if waiting else ""))
         except Exception as error:
@@ -151,11 +149,11 @@ def _execute(cfg: DictConfig, job: JobInfo) -> JobOutcome:
             code = code or EXIT_FAILED
         finally:
             if job.multirun and job.output_dir is not None:
-                tracking.write_job_status(job.output_dir, status, detail)
+                write_job_status(job.output_dir, status, detail)
     return JobOutcome(code, value, searching=objective is not None)
 
 
-def _record_objective(objective: Objective, recorder: Recorder, where: str) -> tuple[int, str, float | None]:
+def _record_objective(objective: Objective, recorder: Record, where: str) -> tuple[int, str, float | None]:
     """The job's objective from what it recorded, logged as the `objective` metric."""
     try:
         value, met = objective.evaluate(recorder.metrics)
@@ -168,16 +166,21 @@ def _record_objective(objective: Objective, recorder: Recorder, where: str) -> t
     return EXIT_OK, "", value
 
 
-def _run_prepared(prepared: Prepared, job: JobInfo, recorder: Recorder, threads: int,
-                  where: str) -> tuple[int, str]:
-    """Load, generate, measure, record; (exit status, what went wrong)."""
-    run = prepared.run
+def _open_record(prepared: Prepared, job: JobInfo, threads: int) -> Record:
+    """The job's run, tagged with what it runs, where, and with what."""
     tags = {**environment_tags(), **model_tags(prepared),
             "ember.config_digest": config_digest(prepared.plain),
             "ember.threads": str(threads), "ember.workers": str(job.workers), **job.place.tags(),
             "ember.experiments": ",".join(e.name for e in prepared.experiments) or "none",
-            "mlflow.source.git.commit": environment_tags()["ember.git_commit"], **tracking.SOURCE_TAGS}
-    recorder.start(prepared.run_name, tags, flatten(prepared.plain))
+            "mlflow.source.git.commit": environment_tags()["ember.git_commit"], **SOURCE_TAGS}
+    return open_job_record(prepared.run.mlflow, job, prepared.run_name, tags)
+
+
+def _run_prepared(prepared: Prepared, job: JobInfo, recorder: Record, threads: int,
+                  where: str) -> tuple[int, str]:
+    """Load, generate, measure, record; (exit status, what went wrong)."""
+    run = prepared.run
+    recorder.log_params(job_params(job, flatten(prepared.plain)))
     recorder.log_text(OmegaConf.to_yaml(OmegaConf.create(prepared.plain)), "config.yaml")
 
     model, cache_hit = models.cached_model(prepared.model_file, run.model.context_length, threads,
@@ -198,7 +201,7 @@ def _run_prepared(prepared: Prepared, job: JobInfo, recorder: Recorder, threads:
     from ember.tracing import Tracer
 
     tracer = Tracer(layers=run.trace_layers) if run.tracing else None
-    checkpoints = Checkpoints(recorder.tracker, recorder.run_id, prepared.prompt_ids, prepared.experiments,
+    checkpoints = Checkpoints(recorder, prepared.prompt_ids, prepared.experiments,
                               show=stream)
     try:
         generation = model.generate(
@@ -240,9 +243,9 @@ def _run_prepared(prepared: Prepared, job: JobInfo, recorder: Recorder, threads:
             record_effect(recorder, effect)
 
     if failure is not None:
-        record = tracking.failure_record(failure, generation)
+        record = failure_record(failure, generation)
         recorder.log_json(record, "failure.json")
-        recorder.set_tags(tracking.failure_tags(record))
+        recorder.set_tags(failure_tags(record))
         produced = len(generation.token_ids) if generation is not None else 0
         say(f"ember: {where}{failure} (after {produced} generated tokens)")
         return EXIT_FAILED, str(failure)
@@ -271,7 +274,7 @@ def _on_this_node(error: EmberError, job: JobInfo) -> str:
     return str(error)
 
 
-def _run_study(prepared: Prepared, model: object, recorder: Recorder, job: JobInfo,
+def _run_study(prepared: Prepared, model: object, recorder: Record, job: JobInfo,
                where: str) -> tuple[int, str]:
     """A prompt set item by item (ember.runs.study); a failed experiment fails the run after the
     items done so far are recorded."""
@@ -283,10 +286,10 @@ def _run_study(prepared: Prepared, model: object, recorder: Recorder, job: JobIn
     if outcome.failure is not None:
         say(f"ember: {where}{outcome.failure} (after {outcome.items_done} of "
             f"{len(prepared.study.items)} items)")
-        recorder.set_tags(tracking.failure_tags(tracking.failure_record(outcome.failure, None)))
+        recorder.set_tags(failure_tags(failure_record(outcome.failure, None)))
         return EXIT_FAILED, str(outcome.failure)
-    if recorder.run_id is not None and recorder.tracker is not None:
-        say(f"ember: recorded as MLflow run {recorder.run_id} in {recorder.tracker.store.tracking_uri}")
+    if recorder.run_id is not None:
+        say(f"ember: recorded as MLflow run {recorder.run_id} in {recorder.store_uri}")
     return EXIT_OK, ""
 
 
@@ -295,16 +298,17 @@ def _record_invalid_job(cfg: DictConfig, job: JobInfo, error: str) -> None:
     if not job.multirun:
         return
     try:
-        recorder = Recorder(tracking.settings_from_config(cfg), job)
         try:
             plain = OmegaConf.to_container(cfg, resolve=False)
         except Exception:
             plain = {}
-        recorder.start(f"invalid config: {' '.join(job.overrides)}",
-                       {**environment_tags(), **tracking.SOURCE_TAGS, "ember.error": error}, flatten(plain))
+        name = f"invalid config: {' '.join(job.overrides)}"
+        recorder = open_job_record(settings_from_config(cfg), job, name,
+                                   {**environment_tags(), **SOURCE_TAGS, "ember.error": error})
+        recorder.log_params(job_params(job, flatten(plain)))
         recorder.close(FAILED)
     except Exception as failure:  # MLflow unreachable: the job status file still tells the sweep
         say(f"ember: job #{job.number}: could not record the failure in MLflow: {describe_error(failure)}")
     finally:
         if job.output_dir is not None:
-            tracking.write_job_status(job.output_dir, FAILED, error)
+            write_job_status(job.output_dir, FAILED, error)

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
 
+from ember.records.sweep import handed_over_size
 from ember.runs import placement
 from ember.runs.placement import Placement
 
@@ -41,7 +41,7 @@ class JobInfo:
         joblib_workers = 1
         if "joblib" in launcher.lower():
             joblib_workers = _joblib_workers(OmegaConf.select(hc, "launcher.n_jobs", default=-1))
-        size = _positive_int(os.environ.get("EMBER_SWEEP_SIZE"))
+        size = _positive_int(handed_over_size())
         place = placement.detect(joblib_workers=joblib_workers, sweep_size=size)
         cwd = OmegaConf.select(hc, "runtime.cwd", default=None)
         return cls(

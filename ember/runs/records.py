@@ -1,74 +1,36 @@
-"""The MLflow side of one job: its run, model tags, generation metrics and record."""
+"""The MLflow side of one job: its run (opened with what the job is: a single run or a sweep's job),
+model tags, generation metrics and record."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ember import tracking
 from ember.provenance import canonical_json
+from ember.records.run import Record, open_run
+from ember.records.store import MlflowSettings
+from ember.records.sweep import handed_over_store, parent_run_id
 from ember.runs.job import JobInfo
 
 
-class Recorder:
-    """The MLflow side of one job; every method is a no-op when tracking is off."""
+def open_job_record(settings: MlflowSettings | None, job: JobInfo, name: str,
+                    tags: Mapping[str, Any]) -> Record:
+    """The job's run, tagged with its place in its sweep and its overrides, a child of the sweep's parent
+    run in the parent's store; a `NullRecord` when recording is off. Its params come next
+    (`job_params`)."""
+    job_tags = dict(tags)
+    if job.multirun:
+        job_tags.update({"ember.job": str(job.number), "ember.sweep_dir": str(job.sweep_dir)})
+    job_tags["ember.overrides"] = " ".join(job.overrides)
+    if not job.multirun:
+        return open_run(settings, name, job_tags)
+    return open_run(settings, name, job_tags, parent_run_id=parent_run_id(job.sweep_dir),
+                    handed_over=handed_over_store())
 
-    def __init__(self, settings: Any, job: JobInfo) -> None:
-        self.settings = settings
-        self.tracker: tracking.Tracker | None = None
-        self.run_id: str | None = None
-        self.last_run_id: str | None = None  # kept after close, for the console line naming the run
-        self.store_uri = ""
-        self.kept = ""  # what an interrupted job kept, for its console line
-        self.job = job
-        # Every metric this job logged, by name: its step-0 value, else its last (tracking on or off).
-        self.metrics: dict[str, float] = {}
-        self._metric_steps: dict[str, int] = {}
 
-    def _remember(self, metrics: list[tuple[str, float, int]]) -> None:
-        for name, value, step in metrics:
-            known = self._metric_steps.get(name)
-            if known is None or (known != 0 and (step == 0 or step >= known)):
-                self.metrics[name] = float(value)
-                self._metric_steps[name] = int(step)
-
-    def log_metrics(self, metrics: Any) -> None:
-        metrics = list(metrics)
-        self._remember(metrics)
-        if self.tracker is not None and self.run_id is not None:
-            self.tracker.log_metrics(self.run_id, metrics)
-
-    def start(self, name: str, tags: dict[str, Any], params: dict[str, Any]) -> None:
-        if self.settings is None or not self.settings.enabled:
-            return
-        store = tracking.resolve_store(self.settings, sweep_job=self.job.multirun)
-        self.tracker = tracking.Tracker(store, self.settings.experiment_name)
-        parent = tracking.parent_run_id(self.job.sweep_dir) if self.job.multirun else None
-        job_tags = dict(tags)
-        if self.job.multirun:
-            job_tags.update({"ember.job": str(self.job.number), "ember.sweep_dir": str(self.job.sweep_dir)})
-        job_tags["ember.overrides"] = " ".join(self.job.overrides)
-        self.run_id = self.last_run_id = self.tracker.start_run(name, job_tags, parent)
-        self.store_uri = self.tracker.store.tracking_uri
-        self.tracker.log_params(self.run_id, {**params, "hydra.overrides": " ".join(self.job.overrides)})
-
-    def __getattr__(self, method: str) -> Any:
-        # tracker.<method>(run_id, ...) as self.<method>(...), doing nothing without a run
-        def call(*args: Any, **kwargs: Any) -> None:
-            if self.tracker is not None and self.run_id is not None:
-                getattr(self.tracker, method)(self.run_id, *args, **kwargs)
-        return call
-
-    def result(self, name: str, result: Any) -> None:
-        self._remember([(f"{name}.{m.name}", m.value, m.step) for m in result.metrics
-                        if isinstance(m.value, int | float)])
-        if self.tracker is not None and self.run_id is not None:
-            tracking.log_experiment_result(self.tracker, self.run_id, name, result)
-
-    def close(self, status: str) -> None:
-        if self.tracker is not None and self.run_id is not None:
-            self.tracker.end_run(self.run_id, status)
-            self.run_id = None
+def job_params(job: JobInfo, params: Mapping[str, Any]) -> dict[str, Any]:
+    return {**params, "hydra.overrides": " ".join(job.overrides)}
 
 
 def model_tags(prepared: Any) -> dict[str, str]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ember.runs.checkpoint import experiment_folder
+from ember.records.tracker import experiment_folder
 
 
 def _number(value: Any) -> str:

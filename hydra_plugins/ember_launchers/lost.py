@@ -9,9 +9,9 @@ from typing import Any
 from hydra.core.utils import JobReturn, JobStatus
 from omegaconf import OmegaConf
 
-log = logging.getLogger(__name__)
+from ember.console import EXIT_FAILED  # what a failed ember job returns
 
-EXIT_FAILED = 1  # ember.runs.execute.EXIT_FAILED: what a failed ember job returns
+log = logging.getLogger(__name__)
 
 
 class WorkerLost(RuntimeError):

@@ -6,7 +6,7 @@ One thing differs. The plugin collects the jobs' results in order with `ray.get`
 worker dies (killed, out of memory, node lost) and Ray has no retry left for it, the error leaves the
 launcher at once, Hydra ends the sweep, and the jobs still running die with the driver. Here every job
 is waited for; a job whose worker died comes back as failed, and the sweep names it (from its child
-run, which `ember.tracking.finish_sweep` closes as KILLED) while the others finish.
+run, which `ember.records.sweep.Sweep.finish` closes as KILLED) while the others finish.
 
 Retries are Ray's (`hydra.launcher.ray.remote.max_retries`; Ray retries only system failures, and
 ember's jobs never raise for their own). A retried job runs from the start in a new worker as a new

@@ -7,7 +7,7 @@ the error leaves the launcher at once, the sweep ends as "the sweep's launcher s
 and the jobs still running are not awaited (a submitit job outlives the command that submitted it, so
 they go on recording into a parent run already closed). Here every job is waited for; a job whose
 process died comes back as failed (ember_launchers.lost), and the sweep names it (from its child run,
-which `ember.tracking.finish_sweep` closes as KILLED) while the others finish.
+which `ember.records.sweep.Sweep.finish` closes as KILLED) while the others finish.
 
 Submitting is the plugin's own: its launcher object (what each job unpickles and calls), its
 parameters, its executor. Hydra imports every plugin module when it starts, with or without the

@@ -247,7 +247,7 @@ def _clear_repair_mark(client: Any, run_id: str, ops: list[dict[str, Any]]) -> N
     """A run closed as KILLED by a repair while its records waited here ends as its journal says."""
     if not any(op["op"] == "terminate" for op in ops):
         return
-    from ember.heartbeat import REPAIRED
+    from ember.records.heartbeat import REPAIRED
 
     if REPAIRED in client.get_run(run_id).data.tags:
         client.delete_tag(run_id, REPAIRED)

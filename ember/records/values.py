@@ -1,0 +1,92 @@
+"""How values become what MLflow keeps: keys, texts within MLflow's limits, strict JSON, CSV tables, and
+an experiment's failure as a record and tags."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+MAX_PARAM_LENGTH = 6000
+MAX_TAG_LENGTH = 8000
+MAX_RUN_NAME_LENGTH = 250
+
+_METRIC_KEY = re.compile(r"[^A-Za-z0-9_\-. /]")
+
+
+def metric_key(name: str) -> str:
+    """A metric or param key MLflow accepts (alphanumerics, `_-. /`), at most 250 characters."""
+    return _METRIC_KEY.sub("_", name)[:250]
+
+
+def clip(value: Any, limit: int) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, default=str) if isinstance(
+        value, dict | list) else str(value)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def chunks(items: Sequence[Any], size: int) -> Iterable[Sequence[Any]]:
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
+
+
+def json_cell(value: Any) -> Any:
+    """A table cell as strict JSON: NaN and infinities become null (the UI cannot read NaN)."""
+    if isinstance(value, float | np.floating) and not math.isfinite(float(value)):
+        return None
+    return value
+
+
+def json_default(value: Any) -> Any:
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, np.generic):
+        return value.item()
+    if hasattr(value, "value") and hasattr(value, "name"):  # enums
+        return value.value
+    return str(value)
+
+
+def table_csv(rows: Sequence[Mapping[str, Any]]) -> str:
+    columns: list[str] = []
+    for row in rows:
+        columns.extend(k for k in row if k not in columns)
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=columns)
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({k: json_default(v) if not isinstance(v, str | int | float) else v
+                         for k, v in row.items()})
+    return out.getvalue()
+
+
+def failure_record(failure: Any, generation: Any) -> dict[str, Any]:
+    """An ExperimentFailure as plain JSON: where it failed, why, and the tokens produced so far."""
+    phase = getattr(failure, "phase", None)
+    record: dict[str, Any] = {
+        "experiment": failure.experiment,
+        "hook": failure.hook,
+        "phase": getattr(phase, "value", phase),
+        "layer": failure.layer,
+        "message": failure.message,
+        "description": str(failure),
+    }
+    if generation is not None:
+        record["generated_token_count"] = len(generation.token_ids)
+        record["token_ids"] = list(map(int, generation.token_ids))
+        record["text"] = generation.text
+        record["stop_reason"] = generation.stop_reason
+    return record
+
+
+def failure_tags(record: Mapping[str, Any]) -> dict[str, str]:
+    keys = ("experiment", "hook", "phase", "layer", "message")
+    tags = {f"ember.failure.{key}": str(record[key]) for key in keys if record.get(key) is not None}
+    tags["ember.failure"] = str(record.get("description", ""))
+    return tags
