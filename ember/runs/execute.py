@@ -17,6 +17,7 @@ from mlflow.exceptions import MlflowException
 from omegaconf import DictConfig, OmegaConf
 
 from ember import tracking
+from ember.cores import ThreadChoice
 from ember.errors import EmberError
 from ember.experiments import ExperimentFailure
 from ember.provenance import config_digest, environment_tags, flatten
@@ -106,7 +107,8 @@ def _execute(cfg: DictConfig, job: JobInfo) -> JobOutcome:
         _record_invalid_job(cfg, job, detail)
         return JobOutcome(EXIT_FAILED, searching=searching)
 
-    threads = threads_for(job, prepared.run.threads)
+    choice = threads_for(job, prepared.run.threads)
+    threads = choice.threads
     from threadpoolctl import threadpool_limits
 
     recorder = Recorder(prepared.run.mlflow, job)
@@ -114,7 +116,7 @@ def _execute(cfg: DictConfig, job: JobInfo) -> JobOutcome:
     value = None
     try:
         with threadpool_limits(threads):
-            code, detail = _run_prepared(prepared, job, recorder, threads, where)
+            code, detail = _run_prepared(prepared, job, recorder, choice, where)
             if code == EXIT_OK and objective is not None:
                 code, detail, value = _record_objective(objective, recorder, where)
             status = FINISHED if code == EXIT_OK else FAILED
@@ -168,19 +170,21 @@ def _record_objective(objective: Objective, recorder: Recorder, where: str) -> t
     return EXIT_OK, "", value
 
 
-def _run_prepared(prepared: Prepared, job: JobInfo, recorder: Recorder, threads: int,
+def _run_prepared(prepared: Prepared, job: JobInfo, recorder: Recorder, choice: ThreadChoice,
                   where: str) -> tuple[int, str]:
     """Load, generate, measure, record; (exit status, what went wrong)."""
     run = prepared.run
+    threads = choice.threads
     tags = {**environment_tags(), **model_tags(prepared),
             "ember.config_digest": config_digest(prepared.plain),
-            "ember.threads": str(threads), "ember.workers": str(job.workers), **job.place.tags(),
+            "ember.threads": str(threads), "ember.threads_reason": choice.reason,
+            "ember.workers": str(job.workers), **job.place.tags(),
             "ember.experiments": ",".join(e.name for e in prepared.experiments) or "none",
             "mlflow.source.git.commit": environment_tags()["ember.git_commit"], **tracking.SOURCE_TAGS}
     recorder.start(prepared.run_name, tags, flatten(prepared.plain))
     recorder.log_text(OmegaConf.to_yaml(OmegaConf.create(prepared.plain)), "config.yaml")
 
-    model, cache_hit = models.cached_model(prepared.model_file, run.model.context_length, threads,
+    model, cache_hit = models.cached_model(prepared.model_file, run.model.context_length, choice,
                                            run.model.weights)
     recorder.set_tags({"ember.model_cache": "hit" if cache_hit else "miss",
                        "model.context_length": str(model.context_length), "model.weights": model.weights})
