@@ -1,7 +1,7 @@
 """2 threads against 1, with and without one core kept busy by another process, for numba's threading
 settings: OpenMP's default spin (what numba picks here), OMP_WAIT_POLICY=PASSIVE, GOMP_SPINCOUNT, and
 the tbb layer (when a libtbb.so.12 is given). On SmolLM2: a 5-token evaluation (ms), a 64-token prefill
-(tokens/s) and a 24-token decode (tokens/s), medians within a process.
+(tokens/s) and a 16-token decode (tokens/s), medians within a process.
 
 Each setting runs in a process of its own (the OpenMP runtime reads its variables when it starts), and
 the settings alternate round by round, idle and busy, so that a change in the rest of the machine's
@@ -50,16 +50,16 @@ def worker(threads: int) -> dict[str, Any]:
     short, long = ids[:5], (ids * 8)[:64]
     model.evaluate(long)  # warm
     evaluate, prefill, decode = [], [], []
-    for _ in range(9):
+    for _ in range(5):
         started = time.perf_counter()
         model.evaluate(short)
         evaluate.append((time.perf_counter() - started) * 1000)
-    for _ in range(5):
+    for _ in range(3):
         started = time.perf_counter()
         model.evaluate(long)
         prefill.append(len(long) / (time.perf_counter() - started))
-    for _ in range(3):
-        generation = model.generate(short, max_new_tokens=24, temperature=0.0, add_bos=False,
+    for _ in range(2):
+        generation = model.generate(short, max_new_tokens=16, temperature=0.0, add_bos=False,
                                     stop_at_eog=False)
         decode.append(generation.timings.decode_tokens_per_second)
     return {"threads": model.threads, "layer": numba.threading_layer(),
