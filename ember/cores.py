@@ -4,10 +4,10 @@ processes leave free.
 A thread whose core another process keeps busy makes every thread wait for it: numba's OpenMP threads
 spin while they wait, so 2 threads with the other core busy decoded at 7–9 tokens/s where 1 thread
 decoded at 41–68 (SmolLM2, 2-core Xeon; README "How many threads"). So the default looks before it
-chooses: it reads the busy time of each allowed core from /proc/stat over a
-short window (SAMPLE_SECONDS, once per process), subtracts this process's own, and counts a core as
-taken for every MOSTLY_BUSY core's worth of time others used; when that leaves fewer threads than cores,
-the load says so in one line on stderr (`announce`). An explicit `threads=N` is always obeyed. Where
+chooses: it reads the busy time of each allowed core from /proc/stat over a short window
+(SAMPLE_SECONDS, once per process), subtracts this process's own, and counts a core as taken for every
+MOSTLY_BUSY core's worth of time others used; when that leaves fewer threads than cores, the load says
+so in one line on stderr (`announce`). An explicit `threads=N` is always obeyed. Where
 there is no /proc/stat (not Linux), every allowed core counts as free.
 """
 
