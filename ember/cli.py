@@ -51,7 +51,8 @@ def _common() -> argparse.ArgumentParser:
     group.add_argument("--model", default=DEFAULT_MODEL,
                        help="a known name (smollm2-135m, gemma3-270m) or a .gguf path (default: %(default)s)")
     group.add_argument("--context-length", type=int, default=None, help="KV cache length (default: model's)")
-    group.add_argument("--threads", type=int, default=None, help="engine/BLAS threads (default: all cores)")
+    group.add_argument("--threads", type=int, default=None,
+                       help="engine/BLAS threads (default: the cores other processes leave free)")
     group.add_argument("--weights", choices=("quantized", "float32"), default="quantized",
                        help="keep weights in the file's encoding, or dequantize them (default: %(default)s)")
     group.add_argument("--experiment", action="append", default=[], metavar="NAME[:k=v,...]",

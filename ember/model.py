@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from ember.config import ModelConfig
+from ember.cores import allowed_cores, announce, thread_choice
 from ember.errors import ConfigError, ContextLengthError
 from ember.experiments.adapters import DISABLED_HOOKS
 from ember.experiments.context import ExecutionPhase, ModelContext, TracingState
@@ -76,7 +77,8 @@ class Generation:
 
 
 def default_threads() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    """The cores this process may run on (what a scheduler's share is taken of)."""
+    return len(allowed_cores())
 
 
 class Model:
@@ -92,6 +94,7 @@ class Model:
         self.tokenizer = tokenizer
         self.context_length = context_length
         self.threads = threads
+        self.threads_reason = "asked for"  # why this many (`ember.cores`): set by load_model
         self.load_seconds = load_seconds
         self._forward = forward
         self._cache = forward.new_cache(context_length)
@@ -340,7 +343,8 @@ def load_model(
     """Resolve `source` (a known name, a .gguf path or a ModelFile), read it and build the engine.
 
     context_length: positions the KV cache holds (default: the model's trained context).
-    threads: BLAS and kernel threads (default: the cores this process may run on).
+    threads: BLAS and kernel threads (default: the cores this process may run on that other processes
+    leave free, looked at once a process (`ember.cores`); one line on stderr when that is fewer).
     weights: "quantized" (default: the file's own encoding, mapped, multiplied by numba kernels) or
     "float32" (dequantized at load, BLAS everywhere: 4–8× the memory). Where numba cannot run,
     "quantized" falls back to "float32" with a one-line notice on stderr.
@@ -374,7 +378,8 @@ def _load_model(source: str | os.PathLike[str] | ModelFile, context_length: int 
         raise ConfigError(
             f"context_length must be between 1 and the model's {config.context_length}, got {context_length}"
         )
-    threads = threads or default_threads()
+    choice = thread_choice(threads)  # the cores others leave free, unless asked
+    announce(choice)
     if weights == QUANTIZED and (reason := jit_unavailable()) is not None:
         print(f"ember: {reason}; weights are dequantized to float32 instead (more memory, slower decode)",
               file=sys.stderr, flush=True)
@@ -387,7 +392,7 @@ def _load_model(source: str | os.PathLike[str] | ModelFile, context_length: int 
         tokenizer = Tokenizer.from_gguf(gguf)
     remove_old_weight_cache()
     store = WeightStore(gguf, weights)
-    with compute_threads(threads), step("weights"):
+    with compute_threads(choice.threads), step("weights"):
         forward = family.build_forward(config, store, context_length)
         if weights == QUANTIZED:
             from ember.quant.jit import release_compiler_pages
@@ -395,5 +400,7 @@ def _load_model(source: str | os.PathLike[str] | ModelFile, context_length: int 
 
             warm_up()  # compile the kernels now (or load them from the JIT cache), not at the first token
             release_compiler_pages()  # LLVM is not needed again unless something new compiles
-    return Model(model_file, gguf, config, tokenizer, forward, context_length, threads,
-                 time.perf_counter() - started, weights)
+    model = Model(model_file, gguf, config, tokenizer, forward, context_length, choice.threads,
+                  time.perf_counter() - started, weights)
+    model.threads_reason = choice.reason
+    return model

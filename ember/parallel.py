@@ -2,12 +2,16 @@
 
 A prefill's matrix products (tiles of W, `ember.quant.matrix`) and its attention (a KV head's queries
 of one chunk, `ember.ops.attention`) are independent pieces. `share` runs them on `threads()` threads,
-the calling thread and a kept pool, each piece calling single-threaded BLAS. Why not let BLAS (and
-numba) run their own threads: each pool busy-waits after its work (OpenBLAS's idle threads spin, as do
-OpenMP's), and on 2 cores a spinning pool takes the core the next piece of work needs. Measured on
-SmolLM2, 2 threads, 512-token prefill: 215 tokens/s with numba's parallel decoder followed by
-2-thread BLAS; a 1536×576 tile product took 5.4 ms on 2 ember threads right after a 2-thread BLAS call
-(as slow as 1 thread) and 2.9 ms after single-threaded work.
+the calling thread and a kept pool, each piece calling single-threaded BLAS. No thread has a fixed
+share: each takes the next piece nobody has taken as it frees up, and the caller does not wait for a
+helper that has not started by the time the pieces are all done, so a thread whose core another
+process took holds the others back by at most the piece it is in (README "How many threads").
+
+Why not let BLAS (and numba) run their own threads: each pool busy-waits after its work (OpenBLAS's
+idle threads spin, as do OpenMP's), and on 2 cores a spinning pool takes the core the next piece of
+work needs. Measured on SmolLM2, 2 threads, 512-token prefill: 215 tokens/s with numba's parallel
+decoder followed by 2-thread BLAS; a 1536×576 tile product took 5.4 ms on 2 ember threads right after
+a 2-thread BLAS call (as slow as 1 thread) and 2.9 ms after single-threaded work.
 
 `threads()` is set for a block by `ember.quant.compute_threads` (the model's `threads`).
 """
@@ -83,22 +87,31 @@ def share(work: Callable[[int], None], count: int) -> None:
             drain()
         finally:
             for helper in helpers:
-                helper.result()
+                if not helper.cancel():  # a helper that never started (its core taken) is not waited for
+                    helper.result()
 
 
 # Element-wise work over at least this many values is split among the threads (`share_ranges`): NumPy's
 # ufuncs and the nogil kernels run in parallel. Measured on the 1B shape, 128-token prefill, 2 threads:
 # SiLU alone took 2.3 ms a layer in one thread; a `share` costs ~20 µs.
 SPLIT_VALUES = 1 << 16
+# ... in pieces of about this many values (at most PIECES_PER_THREAD a thread), taken one by one as the
+# threads free up: a thread that loses its core to another process holds back one small piece, not a
+# fixed share. A piece costs a few µs of Python; 2^15 values of SiLU take tens.
+PIECE_VALUES = 1 << 15
+PIECES_PER_THREAD = 8
 
 
 def share_ranges(count: int, values: int, work: Callable[[int, int], None]) -> None:
-    """work(start, stop) over consecutive ranges covering range(count), one range a thread, when the
-    work touches at least SPLIT_VALUES values; else work(0, count) in this thread."""
-    pieces = min(threads(), count)
-    if values < SPLIT_VALUES or pieces <= 1:
+    """work(start, stop) over consecutive ranges covering range(count), each once, shared among the
+    threads in pieces of about PIECE_VALUES values when the work touches at least SPLIT_VALUES values;
+    else work(0, count) in this thread. Each range's values are computed as in one call over all (the
+    work is element-wise by row), so the split changes no value."""
+    workers = min(threads(), count)
+    if values < SPLIT_VALUES or workers <= 1:
         work(0, count)
         return
+    pieces = min(count, workers * PIECES_PER_THREAD, max(workers, values // PIECE_VALUES))
     share(lambda i: work(count * i // pieces, count * (i + 1) // pieces), pieces)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -32,14 +34,37 @@ def test_engine_buffers_are_aligned(smollm2):
     assert all(array.ctypes.data % ALIGNMENT == 0 for array in cache.keys + cache.values)
 
 
-@pytest.mark.parametrize("count,values", [(1, 1 << 20), (5, 1 << 20), (128, 1 << 20), (128, 10)])
-def test_share_ranges_covers_every_index_once(count, values):
+@pytest.mark.parametrize("count,values", [(1, 1 << 20), (5, 1 << 20), (128, 1 << 20), (128, 1 << 16),
+                                          (4096, 1 << 24), (128, 10)])
+def test_share_ranges_covers_every_index_once_in_small_pieces(count, values):
     seen = []
     with parallel.use_threads(2):
         parallel.share_ranges(count, values, lambda start, stop: seen.append((start, stop)))
     covered = sorted(i for start, stop in seen for i in range(start, stop))
     assert covered == list(range(count))
-    assert len(seen) == (1 if values < parallel.SPLIT_VALUES or count == 1 else 2)
+    if values < parallel.SPLIT_VALUES or count == 1:
+        assert len(seen) == 1
+    else:  # pieces of about PIECE_VALUES values, at least one a thread, at most PIECES_PER_THREAD
+        expected = min(count, 2 * parallel.PIECES_PER_THREAD, max(2, values // parallel.PIECE_VALUES))
+        assert len(seen) == expected and expected >= 2
+
+
+def test_the_caller_does_not_wait_for_a_helper_that_never_started():
+    """The pool's one helper is held by other work (as a thread whose core another process took): the
+    caller takes every piece itself and returns while the helper is still held."""
+    release = threading.Event()
+    with parallel.use_threads(2):
+        held = parallel._helpers(1).submit(release.wait, 120)
+        try:
+            done = []
+            parallel.share(lambda index: done.append((index, threading.get_ident())), 10)
+            returned_while_held = not held.done()
+        finally:
+            release.set()
+            held.result()
+    assert returned_while_held
+    assert sorted(index for index, _ in done) == list(range(10))
+    assert {thread for _, thread in done} == {threading.get_ident()}
 
 
 def _elementwise(threads: int, x: np.ndarray) -> list[np.ndarray]:

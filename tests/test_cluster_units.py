@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 from run_support import prepared_store
 
 from ember import run as runner
+from ember.cores import ThreadChoice
 from ember.errors import ConfigError
 from ember.records.store import CredentialsInUriError, describe_mlflow_error, resolve_store
 from ember.records.sweep import SWEEP_FILE, SWEEP_STORE_ENV, Sweep, handed_over_store
@@ -71,7 +72,8 @@ def test_submitit_local_jobs_share_the_cores_out(monkeypatch):
 
 def test_threads_follow_the_grant_unless_the_config_says():
     job = JobInfo(True, 0, (), None, None, 2, placement.Placement("joblib", "h", 1, 1))
-    assert threads_for(job, None) == 1 and threads_for(job, 2) == 2
+    assert threads_for(job, None) == ThreadChoice(1, "granted by joblib")
+    assert threads_for(job, 2) == ThreadChoice(2, "asked for")
 
 
 # ------------------------------------------------------------------------------------ hand-over

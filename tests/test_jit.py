@@ -67,3 +67,47 @@ def test_llvm_pages_are_released_and_compiling_still_works(child_report):
     report, _ = child_report
     assert report["released"] > 10 * 2**20  # llvmlite's library maps ~100 MB read-only
     assert report["compiles after release"] == 41
+
+
+def test_the_tbb_wheel_s_library_is_found_under_a_prefix(tmp_path):
+    from ember.quant.jit import wheel_tbb
+
+    without, with_tbb = tmp_path / "a", tmp_path / "b"
+    (without / "lib").mkdir(parents=True)
+    (with_tbb / "lib").mkdir(parents=True)
+    (with_tbb / "lib" / "libtbb.so.12").write_bytes(b"")
+    assert wheel_tbb((str(without), str(with_tbb))) == with_tbb / "lib" / "libtbb.so.12"
+    assert wheel_tbb((str(without),)) is None
+
+
+LAYER = r"""
+import numba, numpy as np
+from ember.quant.jit import load_wheel_tbb, njit, prange, wheel_tbb
+import sys
+
+@njit(parallel=True)
+def total(a):
+    s = 0.0
+    for i in prange(a.size):
+        s += a[i]
+    return s
+
+total(np.ones(10))
+print(numba.threading_layer(), wheel_tbb((sys.prefix, sys.base_prefix)) is not None)
+"""
+
+
+@pytest.mark.parametrize("asked", [None, "workqueue"])
+def test_numba_takes_the_tbb_layer_when_the_wheel_is_installed_unless_told_otherwise(asked):
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_THREADING_LAYER"}
+    if asked:
+        env["NUMBA_THREADING_LAYER"] = asked
+    done = subprocess.run([sys.executable, "-c", LAYER], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    layer, installed = done.stdout.split()
+    if asked:
+        assert layer == asked
+    else:
+        assert (layer == "tbb") == (installed == "True"), done.stdout

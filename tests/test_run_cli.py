@@ -95,8 +95,8 @@ def test_zero_layer_run_records_params_tags_metrics_artifacts(workdir):
     tags = run.data.tags
     for key in ("ember.version", "ember.git_commit", "ember.git_dirty", "ember.config_digest", "model.sha256",
                 "model.size_bytes", "model.architecture", "model.family", "model.quantization_mix",
-                "numpy.version", "numpy.blas", "numpy.blas_threads", "ember.threads", "python.version",
-                "platform"):
+                "numpy.version", "numpy.blas", "numpy.blas_threads", "ember.threads", "ember.threads_reason",
+                "python.version", "platform"):
         assert tags.get(key), key
     assert tags["model.architecture"] == "llama" and tags["model.family"] == "llama"
     assert json.loads(tags["model.quantization_mix"]) == {"F32": 61, "Q4_1": 210, "Q8_0": 1}

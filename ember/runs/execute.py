@@ -17,6 +17,7 @@ from mlflow.exceptions import MlflowException
 from omegaconf import DictConfig, OmegaConf
 
 from ember.console import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, say
+from ember.cores import ThreadChoice
 from ember.errors import EmberError
 from ember.experiments import ExperimentFailure
 from ember.provenance import config_digest, environment_tags, flatten
@@ -103,7 +104,8 @@ def _execute(cfg: DictConfig, job: JobInfo) -> JobOutcome:
         _record_invalid_job(cfg, job, detail)
         return JobOutcome(EXIT_FAILED, searching=searching)
 
-    threads = threads_for(job, prepared.run.threads)
+    choice = threads_for(job, prepared.run.threads)
+    threads = choice.threads
     from threadpoolctl import threadpool_limits
 
     recorder: Record = NullRecord()
@@ -111,8 +113,8 @@ def _execute(cfg: DictConfig, job: JobInfo) -> JobOutcome:
     value = None
     try:
         with threadpool_limits(threads):
-            recorder = _open_record(prepared, job, threads)
-            code, detail = _run_prepared(prepared, job, recorder, threads, where)
+            recorder = _open_record(prepared, job, choice)
+            code, detail = _run_prepared(prepared, job, recorder, choice, where)
             if code == EXIT_OK and objective is not None:
                 code, detail, value = _record_objective(objective, recorder, where)
             status = FINISHED if code == EXIT_OK else FAILED
@@ -166,24 +168,26 @@ def _record_objective(objective: Objective, recorder: Record, where: str) -> tup
     return EXIT_OK, "", value
 
 
-def _open_record(prepared: Prepared, job: JobInfo, threads: int) -> Record:
+def _open_record(prepared: Prepared, job: JobInfo, choice: ThreadChoice) -> Record:
     """The job's run, tagged with what it runs, where, and with what."""
+    threads = choice.threads
     tags = {**environment_tags(), **model_tags(prepared),
             "ember.config_digest": config_digest(prepared.plain),
-            "ember.threads": str(threads), "ember.workers": str(job.workers), **job.place.tags(),
+            "ember.threads": str(threads), "ember.threads_reason": choice.reason,
+            "ember.workers": str(job.workers), **job.place.tags(),
             "ember.experiments": ",".join(e.name for e in prepared.experiments) or "none",
             "mlflow.source.git.commit": environment_tags()["ember.git_commit"], **SOURCE_TAGS}
     return open_job_record(prepared.run.mlflow, job, prepared.run_name, tags)
 
 
-def _run_prepared(prepared: Prepared, job: JobInfo, recorder: Record, threads: int,
+def _run_prepared(prepared: Prepared, job: JobInfo, recorder: Record, choice: ThreadChoice,
                   where: str) -> tuple[int, str]:
     """Load, generate, measure, record; (exit status, what went wrong)."""
     run = prepared.run
     recorder.log_params(job_params(job, flatten(prepared.plain)))
     recorder.log_text(OmegaConf.to_yaml(OmegaConf.create(prepared.plain)), "config.yaml")
 
-    model, cache_hit = models.cached_model(prepared.model_file, run.model.context_length, threads,
+    model, cache_hit = models.cached_model(prepared.model_file, run.model.context_length, choice,
                                            run.model.weights)
     recorder.set_tags({"ember.model_cache": "hit" if cache_hit else "miss",
                        "model.context_length": str(model.context_length), "model.weights": model.weights})

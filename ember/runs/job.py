@@ -8,6 +8,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from ember.cores import ThreadChoice, free_cores, thread_choice
 from ember.records.sweep import handed_over_size
 from ember.runs import placement
 from ember.runs.placement import Placement
@@ -84,10 +85,12 @@ def _joblib_workers(n_jobs: Any) -> int:
     return max(1, cores + 1 + n)
 
 
-def threads_for(job: JobInfo, requested: int | None) -> int:
-    """`threads` from the config, else the CPUs the job's scheduler granted it: all cores for a run of
-    its own, a share of them for a joblib worker or a submitit local job, Ray's `num_cpus` for a Ray
-    task, the allocation for a SLURM task."""
+def threads_for(job: JobInfo, requested: int | None) -> ThreadChoice:
+    """`threads` from the config, else the CPUs the job's scheduler granted it: for a run of its own the
+    cores other processes leave free (`ember.cores`), a share of them for a joblib worker or a submitit
+    local job, Ray's `num_cpus` for a Ray task, the allocation for a SLURM task."""
     if requested:
-        return requested
-    return job.place.cpus
+        return thread_choice(requested)
+    if job.place.scheduler == placement.LOCAL:
+        return free_cores()
+    return ThreadChoice(job.place.cpus, f"granted by {job.place.scheduler}")
