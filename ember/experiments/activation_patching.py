@@ -35,6 +35,7 @@ import numpy as np
 from ember.errors import ConfigError
 from ember.experiments.base import Experiment
 from ember.experiments.context import ExecutionPhase, LayerContext, ModelContext, TensorAccess
+from ember.experiments.labels import shorten, token_label
 from ember.experiments.results import ExperimentResult, Metric
 from ember.experiments.study import Evaluation, ItemResult, StudyItem
 
@@ -183,12 +184,13 @@ class ActivationPatching(Experiment):
             result.key = tuple(f"{site}.{self.span}" for site in self.sites)
         return result
 
-    def _tokens(self, item: StudyItem) -> list[str]:
+    def _tokens(self, item: StudyItem) -> list[tuple[str, str]]:
+        """(clean, corrupted) token text per position."""
         if self._readout is None:
-            return [str(t) for t in item.token_ids]
+            return [(str(a), str(b)) for a, b in zip(item.token_ids, item.corrupted_ids or (), strict=True)]
         clean = self._readout.token_text(item.token_ids)
         corrupted = self._readout.token_text(item.corrupted_ids or ())
-        return [a if a == b else f"{a}/{b}" for a, b in zip(clean, corrupted, strict=True)]
+        return list(zip(clean, corrupted, strict=True))
 
     def _accumulate(self, scores: np.ndarray, picks: dict[str, int | None]) -> None:
         if self._class_sums is None:
@@ -247,9 +249,10 @@ def _item_figure(entry: dict[str, Any], sites: Sequence[str]) -> Figure:
     for ax, s, site in zip(axes, range(len(sites)), sites, strict=True):
         image = ax.imshow(scores[s], aspect="auto", origin="lower", cmap="RdBu_r", vmin=-1, vmax=1,
                           extent=(-0.5, positions - 0.5, layers[0] - 0.5, layers[-1] + 0.5))
-        labels = [f"{p}\n{t!r}"[:18] for p, t in enumerate(entry["tokens"])]
+        labels = [token_label(p, a) + ("" if a == b else f"\n{shorten(repr(b), 12)}")
+                  for p, (a, b) in enumerate(entry["tokens"])]
         ax.set_xticks(range(positions), labels, fontsize=7)
-        ax.set_xlabel("position (clean/corrupted token)")
+        ax.set_xlabel("position (clean token; corrupted token below where it differs)")
         ax.set_ylabel("layer")
         ax.set_title(site)
     figure.colorbar(image, ax=axes, label="share of logit difference restored")

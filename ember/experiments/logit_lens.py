@@ -26,6 +26,7 @@ from ember.errors import ConfigError
 from ember.experiments.base import Experiment
 from ember.experiments.context import ExecutionPhase, LayerContext, ModelContext, TensorAccess
 from ember.experiments.failure import ExperimentError
+from ember.experiments.labels import shorten, token_label
 from ember.experiments.readout import log_softmax
 from ember.experiments.results import ExperimentResult
 from ember.experiments.study import Evaluation, ItemResult, StudyItem
@@ -157,10 +158,10 @@ def _map_figure(entry: dict[str, Any]) -> Figure:
     if positions <= 24:
         for layer in range(layers):
             for position in range(positions):
-                text = repr(str(tops[layer, position]))[1:-1][:10]
+                text = shorten(repr(str(tops[layer, position]))[1:-1], 10)
                 ax.text(position, layer, text, ha="center", va="center",
                         fontsize=6, color="white" if probs[layer, position] < 0.5 else "black")
-    ax.set_xticks(range(positions), [f"{i}\n{t!r}"[:14] for i, t in enumerate(entry["inputs"])], fontsize=7)
+    ax.set_xticks(range(positions), [token_label(i, t) for i, t in enumerate(entry["inputs"])], fontsize=7)
     ax.set_xlabel("position (input token); cells: the layer's top token")
     ax.set_ylabel("layer")
     ax.set_title(f"logit lens, item {entry['item']}")

@@ -177,7 +177,7 @@ def _run_prepared(prepared: Prepared, job: JobInfo, recorder: Recorder, threads:
             "ember.threads": str(threads), "ember.workers": str(job.workers), **job.place.tags(),
             "ember.experiments": ",".join(e.name for e in prepared.experiments) or "none",
             "mlflow.source.git.commit": environment_tags()["ember.git_commit"], **tracking.SOURCE_TAGS}
-    recorder.start(prepared.run_name, tags, flatten(prepared.plain))
+    recorder.start(prepared.run_name, tags, run_params(prepared))
     recorder.log_text(OmegaConf.to_yaml(OmegaConf.create(prepared.plain)), "config.yaml")
 
     model, cache_hit = models.cached_model(prepared.model_file, run.model.context_length, threads,
@@ -259,6 +259,16 @@ def _run_prepared(prepared: Prepared, job: JobInfo, recorder: Recorder, threads:
     else:
         say(f"ember: {prepared.run_name}: {summary}")
     return EXIT_OK, ""
+
+
+def run_params(prepared: Prepared) -> dict[str, object]:
+    """The run's params: its resolved config, flattened; with a prompt set (`data`), without the
+    `prompt` and `messages` it did not use (config.yaml keeps the config as resolved)."""
+    params = flatten(prepared.plain)
+    if prepared.run.data is not None:
+        params = {k: v for k, v in params.items()
+                  if k not in ("prompt", "messages") and not k.startswith("messages.")}
+    return params
 
 
 def _on_this_node(error: EmberError, job: JobInfo) -> str:
