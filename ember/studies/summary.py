@@ -167,8 +167,11 @@ def _metric_word(name: str) -> str:
 def _intervals(client: Any, run: Any) -> dict[tuple[str, int], tuple[float | None, float | None]]:
     """(metric, step) -> (ci_low, ci_high) from a child's `study/summary.json` (empty without one)."""
     import json
+    import os
     import tempfile
 
+    quiet = os.environ.get("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR")
+    os.environ["MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"] = "false"  # no progress bar per job on stderr
     try:
         with tempfile.TemporaryDirectory() as folder:
             path = client.download_artifacts(run.info.run_id, "study/summary.json", folder)
@@ -176,6 +179,11 @@ def _intervals(client: Any, run: Any) -> dict[tuple[str, int], tuple[float | Non
                 table = json.load(handle)
     except Exception:  # no study in this job (a plain generation, a failed job): no intervals
         return {}
+    finally:
+        if quiet is None:
+            os.environ.pop("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", None)
+        else:
+            os.environ["MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"] = quiet
     out = {}
     for values in table.get("data", []):
         row = dict(zip(table["columns"], values, strict=False))
