@@ -221,3 +221,20 @@ def test_an_interrupted_study_keeps_the_items_it_did(workdir):
     assert run.info.status == "KILLED"
     assert run.data.metrics["study.items"] == 2
     assert len(table(workdir, run, "study/items.json")["data"]) == 2
+
+
+def test_a_search_parent_shows_its_objective(workdir):
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+    assert main("-m", "+search=steering_flip", "hydra.sweeper.n_trials=3", "hydra.sweeper.n_jobs=1",
+                "data.limit=2", "mlflow.experiment_name=t_search") == 0
+    runs = runs_of(workdir, "t_search")
+    [parent] = [r for r in runs if r.data.tags.get("ember.sweep") == "true"]
+    children = [r for r in runs if r.info.run_id != parent.info.run_id]
+    best = min(children, key=lambda c: c.data.metrics["objective"])
+    assert parent.data.tags["ember.search.best_run_id"] == best.info.run_id
+    assert parent.data.metrics["objective"] == pytest.approx(best.data.metrics["objective"])
+    summary = table(workdir, parent, "sweep/summary.json")
+    assert summary["columns"].index("objective") < summary["columns"].index("effect.kl_mean")
+    paths = {a.path for a in client(workdir).list_artifacts(parent.info.run_id, "sweep")}
+    assert "sweep/objective.png" in paths
+    assert "best: job #" in artifact_text(workdir, parent, "results.html")
