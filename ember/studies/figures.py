@@ -38,20 +38,36 @@ LABELS = {
 }
 
 
+def human_words(name: str) -> str | None:
+    """What a recorded metric measures, in words; None for a name not known here."""
+    if name in LABELS:
+        return LABELS[name]
+    if name.startswith("clean.") and name[6:] in LABELS:
+        return f"{LABELS[name[6:]]}, clean model"
+    return None
+
+
 def human_label(name: str) -> str:
     """`answer probability (answer.prob)`; an unknown name as it was recorded."""
-    words = LABELS.get(name)
-    if words is None and name.startswith("clean.") and name[6:] in LABELS:
-        words = f"{LABELS[name[6:]]}, clean model"
+    words = human_words(name)
     return f"{words} ({name})" if words else name
 
 
+def axis_label(name: str, width: int = 34) -> str:
+    """The words alone (the title names the metric), wrapped so that a long label is not cut."""
+    import textwrap
+
+    return textwrap.fill(human_words(name) or name, width)
+
+
 def context_title(what: str, model: str = "", prompt_set: str = "", n: int | None = None) -> str:
-    """`what` and, on a second line, the model, the prompt set and n where known."""
+    """`what` (wrapped) and, on a line of its own, the model, the prompt set and n where known."""
+    import textwrap
+
     parts = [p for p in (model, prompt_set) if p]
     if n is not None:
         parts.append(f"n = {n}")
-    return what + (f"\n{', '.join(parts)}" if parts else "")
+    return textwrap.fill(what, 80) + (f"\n{', '.join(parts)}" if parts else "")
 
 
 def series_figure(name: str, steps: Sequence[Any], aggregates: Sequence[Any], *, model: str = "",
@@ -125,5 +141,5 @@ def _axes(ax: Axes, x: Sequence[float] | None, xlabel: str, name: str) -> None:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.axhline(0.0, color="black", linewidth=0.8, alpha=0.6)
     ax.set_xlabel(xlabel)
-    ax.set_ylabel(human_label(name), fontsize=9)
+    ax.set_ylabel(axis_label(name), fontsize=9)
     ax.grid(alpha=0.3)

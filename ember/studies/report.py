@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ember.studies.figures import LABELS
+from ember.studies.figures import human_words
 
 # Beyond this many rows a table shows its first rows and says how many it left out (the JSON table
 # artifact beside the page has them all).
@@ -173,7 +173,7 @@ def study_page(*, model: str, prompt_set: str, digest: str, items: int, run_id: 
             continue
         step, agg = max(steps, key=lambda pair: abs(pair[1].mean)) if name in series else steps[0]
         headline["metric"].append(name)
-        headline["what it measures"].append(LABELS.get(name, ""))
+        headline["what it measures"].append(human_words(name) or "")
         headline["at step"].append(f"{step} (largest)" if name in series else "")
         headline["n"].append(agg.n)
         headline["mean [95% CI]"].append(interval_text(agg.mean, agg.ci_low, agg.ci_high))
