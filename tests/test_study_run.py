@@ -75,6 +75,9 @@ def test_a_prompt_set_is_evaluated_item_by_item(workdir, capsys):
     assert dataset.name == "capitals" and len(dataset.digest) == 12 and dataset.source_type == "local"
     assert json.loads(dataset.source)["uri"].endswith("capitals.jsonl")
     assert json.loads(dataset.profile) == {"num_rows": 4}
+    # a model-development experiment (the MLflow UI before 3.17 opens it on its runs table)
+    experiment = client(workdir).get_experiment_by_name("t_study")
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
     # its context names ember's use of it, not an MLflow GenAI evaluation ("eval")
     assert {t.key: t.value for t in dataset_input.tags}["mlflow.data.context"] == "study"
     # the prompt the set replaced is no param of the run (config.yaml keeps the resolved config)

@@ -80,12 +80,14 @@ class ActivationPatching(Experiment):
         self._items = 0
         self._passes = 0
         self._readout: Any = None
+        self._model = ""
 
     # -- hooks -------------------------------------------------------------------------------------
 
     def on_model_loaded(self, ctx: ModelContext) -> None:
         self._layer_count = ctx.layer_count
         self._readout = ctx.readout
+        self._model = ctx.model_id or ctx.architecture
         outside = [layer for layer in self.layers or () if not 0 <= layer < ctx.layer_count]
         if outside:
             raise ConfigError(f"activation_patching: layers {outside} are outside 0..{ctx.layer_count - 1}")
@@ -176,7 +178,7 @@ class ActivationPatching(Experiment):
             result.key = tuple(f"{site}.{name}" for site in self.sites for name in ("changed_last", "last"))
             if len(self._maps) < self.figure_items:
                 self._maps.append({"item": item.index, "scores": scores, "layers": layers,
-                                   "first": first, "tokens": self._tokens(item)})
+                                   "first": first, "tokens": self._tokens(item), "model": self._model})
         else:
             for s, site in enumerate(self.sites):
                 per_layer = scores[s, :, 0].tolist()
@@ -215,14 +217,16 @@ class ActivationPatching(Experiment):
                 mean = self._class_sums / self._class_counts
             arrays["mean_restored_by_class"] = mean
             layers = self.layers if self.layers is not None else tuple(range(self._layer_count))
-            builders["mean_restored"] = lambda: _class_figure(mean, self.sites, layers, self._items)
+            model = self._model
+            builders["mean_restored"] = lambda: _class_figure(mean, self.sites, layers, self._items, model)
         for entry in self._maps:
             arrays[f"item{entry['item']}_restored"] = entry["scores"]
             builders[f"item{entry['item']}_restored"] = lambda e=entry: _item_figure(e, self.sites)
         return ExperimentResult(metrics=metrics, arrays=arrays, figure_builders=builders)
 
 
-def _class_figure(mean: np.ndarray, sites: Sequence[str], layers: Sequence[int], items: int) -> Figure:
+def _class_figure(mean: np.ndarray, sites: Sequence[str], layers: Sequence[int], items: int,
+                  model: str = "") -> Figure:
     from matplotlib.figure import Figure
 
     figure = Figure(figsize=(4.2 * len(sites) + 1, max(4, 0.22 * len(layers) + 1.5)), layout="constrained")
@@ -234,7 +238,7 @@ def _class_figure(mean: np.ndarray, sites: Sequence[str], layers: Sequence[int],
         ax.set_title(f"{site}")
         ax.set_ylabel("layer")
     figure.colorbar(image, ax=axes, label="share of logit difference restored")
-    figure.suptitle(f"activation patching, mean over {items} items")
+    figure.suptitle(f"activation patching, mean over n = {items} items" + (f" ({model})" if model else ""))
     return figure
 
 
@@ -256,5 +260,6 @@ def _item_figure(entry: dict[str, Any], sites: Sequence[str]) -> Figure:
         ax.set_ylabel("layer")
         ax.set_title(site)
     figure.colorbar(image, ax=axes, label="share of logit difference restored")
-    figure.suptitle(f"activation patching, item {entry['item']}")
+    model = entry.get("model")
+    figure.suptitle(f"activation patching, item {entry['item']}" + (f" ({model})" if model else ""))
     return figure

@@ -245,7 +245,7 @@ class Study:
         series = sorted(self.series_names)
         if aggregates:
             recorder.log_table(summary_columns(aggregates, key, series), "study/summary.json")
-        figures: list[PageFigure] = []
+        figures: list[tuple[str, Any]] = []  # (caption, figure) for the results page
         for name in key:
             if name in self.series_names:
                 steps = sorted(step for (n, step) in aggregates if n == name)
@@ -255,7 +255,7 @@ class Study:
                 recorder.log_figure(figure, f"study/{name}.png")
                 caption = (f"study/{name}.png: {human_label(name)} per layer, mean over {len(self.rows)} "
                            f"items with its {INTERVAL_LABEL}")
-                figures.append(PageFigure(caption, png_bytes(figure)))
+                figures.append((caption, figure))
         results = {}
         for experiment in [*([plan.driver] if plan.driver is not None else []), *plan.shared]:
             try:
@@ -276,15 +276,17 @@ class Study:
                            "ember.study.digest": plan.prompt_set.digest,
                            "ember.study.items": str(len(self.rows)),
                            "ember.study.key_metrics": ",".join(key)})
-        for name, result in results.items():
-            figures += [PageFigure(f"experiments/{name}/{title}.png", png_bytes(figure))
-                        for title, figure in _figures_of(result).items()]
-        page = study_page(model=self.prepared.model_label, prompt_set=plan.prompt_set.name,
-                          digest=plan.prompt_set.digest, items=len(self.rows), run_id=recorder.run_id,
-                          aggregates=aggregates, key=key, series=series, figures=figures,
-                          item_columns=_columns(self.rows), config=_yaml(self.prepared.plain),
-                          status="stopped early: " + str(failure) if failure is not None else "")
-        recorder.log_text(render(page), RESULTS_PAGE)
+        if getattr(recorder, "run_id", None) is not None:  # the page, after the timings (not counted)
+            for name, result in results.items():
+                figures += [(f"experiments/{name}/{title}.png", figure)
+                            for title, figure in _figures_of(result).items()]
+            page = study_page(model=self.prepared.model_label, prompt_set=plan.prompt_set.name,
+                              digest=plan.prompt_set.digest, items=len(self.rows), run_id=recorder.run_id,
+                              aggregates=aggregates, key=key, series=series,
+                              figures=[PageFigure(caption, png_bytes(figure)) for caption, figure in figures],
+                              item_columns=_columns(self.rows), config=_yaml(self.prepared.plain),
+                              status="stopped early: " + str(failure) if failure is not None else "")
+            recorder.log_text(render(page), RESULTS_PAGE)
         self.timings = timings
         return self._summary(aggregates, key, timings)
 
