@@ -25,6 +25,8 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from ember.studies.figures import context_title, human_label, png_bytes, points_figure
+
 FALLBACK_KEYS = ("effect.kl_mean", "effect.top1_agreement")
 
 
@@ -100,8 +102,6 @@ def summarize_sweep(client: Any, experiment_id: str, parent_run_id: str) -> dict
         labels = [by_job[job]["overrides"] for job, *_ in found]
         xs = [_number(by_job[job].get(x_name)) for job, *_ in found] if numeric_x else None
         best = next((i for i, (job, *_) in enumerate(found) if by_job[job]["run_id"] == best_run), None)
-        from ember.studies.figures import context_title, human_label, png_bytes, points_figure
-
         what = (f"{human_label(metric)} per {x_name if numeric_x else 'job'} "
                 f"({len(found)} of {len(children)} jobs)")
         figure = points_figure(metric, labels, xs, [f[1] for f in found], [f[2] for f in found],
