@@ -50,7 +50,7 @@ def test_an_integer_axis_has_integer_ticks_a_zero_line_and_explained_bands():
     assert ticks and all(float(t).is_integer() for t in ticks)
     assert any(list(ln.get_ydata()) == [0, 0] for ln in ax.lines)  # axhline at zero
     assert INTERVAL_LABEL in [t.get_text() for t in ax.get_legend().get_texts()]
-    assert ax.get_ylabel() == "logit difference answer − wrong\nanswer"  # wrapped, never cut
+    assert ax.get_ylabel() == "logit difference answer −\nwrong answer"  # wrapped, never cut
     assert ax.get_title().startswith("logit difference answer − wrong answer (answer.logit_diff)\n")
     assert "smollm2-135m" in ax.get_title() and "capitals" in ax.get_title() and "n = 5" in ax.get_title()
     assert human_label("my.metric") == "my.metric"

@@ -53,7 +53,7 @@ def human_label(name: str) -> str:
     return f"{words} ({name})" if words else name
 
 
-def axis_label(name: str, width: int = 34) -> str:
+def axis_label(name: str, width: int = 28) -> str:
     """The words alone (the title names the metric), wrapped so that a long label is not cut."""
     import textwrap
 
