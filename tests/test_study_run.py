@@ -23,6 +23,12 @@ def table(workdir: Path, run, path: str) -> dict:
     return json.loads(Path(local).read_text())
 
 
+def artifact_text(workdir: Path, run, path: str) -> str:
+    target = workdir / "downloads" / run.info.run_id
+    target.mkdir(parents=True, exist_ok=True)
+    return Path(client(workdir).download_artifacts(run.info.run_id, path, str(target))).read_text()
+
+
 def steps(workdir: Path, run, key: str) -> dict[int, float]:
     return {m.step: m.value for m in client(workdir).get_metric_history(run.info.run_id, key)}
 
@@ -43,7 +49,13 @@ def test_a_prompt_set_is_evaluated_item_by_item(workdir, capsys):
     assert dataset.name == "capitals" and len(dataset.digest) == 12 and dataset.source_type == "local"
     assert json.loads(dataset.source)["uri"].endswith("capitals.jsonl")
     assert json.loads(dataset.profile) == {"num_rows": 4}
-    assert {t.key: t.value for t in dataset_input.tags}["mlflow.data.context"] == "eval"
+    # a model-development experiment (the MLflow UI before 3.17 opens it on its runs table)
+    experiment = client(workdir).get_experiment_by_name("t_study")
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
+    # its context names ember's use of it, not an MLflow GenAI evaluation ("eval")
+    assert {t.key: t.value for t in dataset_input.tags}["mlflow.data.context"] == "study"
+    # the prompt the set replaced is no param of the run (config.yaml keeps the resolved config)
+    assert "prompt" not in run.data.params and run.data.params["data.name"] == "capitals"
     # per-item rows as MLflow's table artifact, which the run's loggedArtifacts tag names
     logged = json.loads(run.data.tags["mlflow.loggedArtifacts"])
     assert {"path": "study/items.json", "type": "table"} in logged
@@ -55,12 +67,28 @@ def test_a_prompt_set_is_evaluated_item_by_item(workdir, capsys):
         assert name in columns
     first = dict(zip(columns, items["data"][0], strict=True))
     assert first["prompt"] == "The capital of France is" and first["generated"].startswith(" Paris")
-    # aggregates: mean, standard error and the 95% interval
+    # aggregates: the mean as a metric; mean, standard error and the 95% interval in one table
     metrics = run.data.metrics
     assert metrics["study.items"] == 4
+    assert not [name for name in metrics if name.endswith((".se", ".ci_low", ".ci_high"))]
+    summary = table(workdir, run, "study/summary.json")
+    rows = {row[0]: dict(zip(summary["columns"], row, strict=True)) for row in summary["data"]}
+    assert summary["columns"] == ["metric", "step", "n", "mean", "se", "ci_low", "ci_high"]
+    assert list(rows)[:3] == ["answer.prob", "answer.correct", "answer.logit_diff"]  # key metrics first
     for name in ("answer.prob", "answer.correct", "answer.logit_diff"):
-        assert metrics[f"{name}.ci_low"] <= metrics[name] <= metrics[f"{name}.ci_high"]
-        assert metrics[f"{name}.se"] >= 0
+        assert rows[name]["mean"] == pytest.approx(metrics[name]) and rows[name]["n"] == 4
+        assert rows[name]["ci_low"] <= rows[name]["mean"] <= rows[name]["ci_high"]
+        assert rows[name]["se"] >= 0
+    # one self-contained results page: the model, the prompt set, n, the key results and every item
+    page = artifact_text(workdir, run, "results.html")
+    assert "smollm2-135m" in page and "capitals" in page and "n (items)</th><td>4<" in page
+    prob = rows["answer.prob"]
+    assert f"{prob['mean']:.4g} [{prob['ci_low']:.4g}, {prob['ci_high']:.4g}]" in page
+    items_part = page[page.index("<h2>Items</h2>"):page.index("<h2>Config</h2>")]
+    assert items_part.count("<tr>") == 1 + 4  # the header and one row per item
+    assert all(row[columns.index("prompt")] in items_part for row in items["data"])
+    assert "limit: 4" in page[page.index("<h2>Config</h2>"):]
+    assert "http://" not in page and "https://" not in page and "<script" not in page
     assert 0 < metrics["answer.prob"] <= 1
     assert metrics["study.runner_seconds"] >= 0 and metrics["study.engine_seconds"] > 0
     assert run.data.tags["ember.study.key_metrics"] == "answer.prob,answer.correct,answer.logit_diff"
@@ -76,9 +104,14 @@ def test_per_layer_series_and_interventions(workdir):
     [run] = runs_of(workdir, "t_lens")
     prob = steps(workdir, run, "logit_lens.target_prob")
     assert sorted(prob) == list(range(30))
-    assert steps(workdir, run, "logit_lens.target_prob.ci_high")[29] >= prob[29]
+    summary = table(workdir, run, "study/summary.json")
+    rows = [dict(zip(summary["columns"], row, strict=True)) for row in summary["data"]]
+    last = next(r for r in rows if r["metric"] == "logit_lens.target_prob" and r["step"] == 29)
+    assert last["ci_low"] <= prob[29] <= last["ci_high"]
     paths = {a.path for a in client(workdir).list_artifacts(run.info.run_id, "study")}
     assert "study/logit_lens.target_prob.png" in paths
+    page = artifact_text(workdir, run, "results.html")
+    assert page.count("data:image/png;base64,") >= 2  # the study's curve and the lens map, embedded
     assert main("data=capitals", "data.limit=3", "experiment=ablation", "layer=3",
                 "experiments.0.mode=mean", "max_new_tokens=2", "mlflow.experiment_name=t_ablate") == 0
     [run] = runs_of(workdir, "t_ablate")
@@ -118,10 +151,19 @@ def test_a_sweep_parent_summarises_its_children(workdir):
         child = children[str(row["job"])]
         assert row["effect.kl_mean"] == pytest.approx(child.data.metrics["effect.kl_mean"])
         assert row["effect.kl_mean.ci_low"] <= row["effect.kl_mean"] <= row["effect.kl_mean.ci_high"]
-    assert steps(workdir, parent, "effect.kl_mean") == {
+    # the per-layer values under a name of their own: no one job's value reads as the sweep's result
+    assert "effect.kl_mean" not in parent.data.metrics
+    assert steps(workdir, parent, "by_layer/effect.kl_mean") == {
         1: pytest.approx(rows[0]["effect.kl_mean"]), 4: pytest.approx(rows[1]["effect.kl_mean"])}
+    # the threads the jobs ran with, not the parent process's
+    assert parent.data.tags["numpy.blas_threads"] == children["0"].data.tags["numpy.blas_threads"] == "1"
+    assert parent.data.tags["ember.threads"] == "1"
     paths = {a.path for a in client(workdir).list_artifacts(parent.info.run_id, "sweep")}
     assert {"sweep/effect.kl_mean.png", "sweep/summary.json"} <= paths
+    page = artifact_text(workdir, parent, "results.html")
+    assert "smollm2-135m" in page and "capitals" in page and "n (items per job)</th><td>2<" in page
+    for row in rows:
+        assert row["run_id"] in page and f"{row['effect.kl_mean']:.4g} [" in page
 
 
 @pytest.mark.parametrize(("args", "message"), [
@@ -156,3 +198,20 @@ def test_an_interrupted_study_keeps_the_items_it_did(workdir):
     assert run.info.status == "KILLED"
     assert run.data.metrics["study.items"] == 2
     assert len(table(workdir, run, "study/items.json")["data"]) == 2
+
+
+def test_a_search_parent_shows_its_objective(workdir):
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+    assert main("-m", "+search=steering_flip", "hydra.sweeper.n_trials=3", "hydra.sweeper.n_jobs=1",
+                "data.limit=2", "mlflow.experiment_name=t_search") == 0
+    runs = runs_of(workdir, "t_search")
+    [parent] = [r for r in runs if r.data.tags.get("ember.sweep") == "true"]
+    children = [r for r in runs if r.info.run_id != parent.info.run_id]
+    best = min(children, key=lambda c: c.data.metrics["objective"])
+    assert parent.data.tags["ember.search.best_run_id"] == best.info.run_id
+    assert parent.data.metrics["objective"] == pytest.approx(best.data.metrics["objective"])
+    summary = table(workdir, parent, "sweep/summary.json")
+    assert summary["columns"].index("objective") < summary["columns"].index("effect.kl_mean")
+    paths = {a.path for a in client(workdir).list_artifacts(parent.info.run_id, "sweep")}
+    assert "sweep/objective.png" in paths
+    assert "best: job #" in artifact_text(workdir, parent, "results.html")

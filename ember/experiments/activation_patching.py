@@ -35,6 +35,7 @@ import numpy as np
 from ember.errors import ConfigError
 from ember.experiments.base import Experiment
 from ember.experiments.context import ExecutionPhase, LayerContext, ModelContext, TensorAccess
+from ember.experiments.labels import shorten, token_label
 from ember.experiments.results import ExperimentResult, Metric
 from ember.experiments.study import Evaluation, ItemResult, StudyItem
 
@@ -79,12 +80,14 @@ class ActivationPatching(Experiment):
         self._items = 0
         self._passes = 0
         self._readout: Any = None
+        self._model = ""
 
     # -- hooks -------------------------------------------------------------------------------------
 
     def on_model_loaded(self, ctx: ModelContext) -> None:
         self._layer_count = ctx.layer_count
         self._readout = ctx.readout
+        self._model = ctx.model_id or ctx.architecture
         outside = [layer for layer in self.layers or () if not 0 <= layer < ctx.layer_count]
         if outside:
             raise ConfigError(f"activation_patching: layers {outside} are outside 0..{ctx.layer_count - 1}")
@@ -175,7 +178,7 @@ class ActivationPatching(Experiment):
             result.key = tuple(f"{site}.{name}" for site in self.sites for name in ("changed_last", "last"))
             if len(self._maps) < self.figure_items:
                 self._maps.append({"item": item.index, "scores": scores, "layers": layers,
-                                   "first": first, "tokens": self._tokens(item)})
+                                   "first": first, "tokens": self._tokens(item), "model": self._model})
         else:
             for s, site in enumerate(self.sites):
                 per_layer = scores[s, :, 0].tolist()
@@ -183,12 +186,13 @@ class ActivationPatching(Experiment):
             result.key = tuple(f"{site}.{self.span}" for site in self.sites)
         return result
 
-    def _tokens(self, item: StudyItem) -> list[str]:
+    def _tokens(self, item: StudyItem) -> list[tuple[str, str]]:
+        """(clean, corrupted) token text per position."""
         if self._readout is None:
-            return [str(t) for t in item.token_ids]
+            return [(str(a), str(b)) for a, b in zip(item.token_ids, item.corrupted_ids or (), strict=True)]
         clean = self._readout.token_text(item.token_ids)
         corrupted = self._readout.token_text(item.corrupted_ids or ())
-        return [a if a == b else f"{a}/{b}" for a, b in zip(clean, corrupted, strict=True)]
+        return list(zip(clean, corrupted, strict=True))
 
     def _accumulate(self, scores: np.ndarray, picks: dict[str, int | None]) -> None:
         if self._class_sums is None:
@@ -213,14 +217,16 @@ class ActivationPatching(Experiment):
                 mean = self._class_sums / self._class_counts
             arrays["mean_restored_by_class"] = mean
             layers = self.layers if self.layers is not None else tuple(range(self._layer_count))
-            builders["mean_restored"] = lambda: _class_figure(mean, self.sites, layers, self._items)
+            model = self._model
+            builders["mean_restored"] = lambda: _class_figure(mean, self.sites, layers, self._items, model)
         for entry in self._maps:
             arrays[f"item{entry['item']}_restored"] = entry["scores"]
             builders[f"item{entry['item']}_restored"] = lambda e=entry: _item_figure(e, self.sites)
         return ExperimentResult(metrics=metrics, arrays=arrays, figure_builders=builders)
 
 
-def _class_figure(mean: np.ndarray, sites: Sequence[str], layers: Sequence[int], items: int) -> Figure:
+def _class_figure(mean: np.ndarray, sites: Sequence[str], layers: Sequence[int], items: int,
+                  model: str = "") -> Figure:
     from matplotlib.figure import Figure
 
     figure = Figure(figsize=(4.2 * len(sites) + 1, max(4, 0.22 * len(layers) + 1.5)), layout="constrained")
@@ -232,7 +238,7 @@ def _class_figure(mean: np.ndarray, sites: Sequence[str], layers: Sequence[int],
         ax.set_title(f"{site}")
         ax.set_ylabel("layer")
     figure.colorbar(image, ax=axes, label="share of logit difference restored")
-    figure.suptitle(f"activation patching, mean over {items} items")
+    figure.suptitle(f"activation patching, mean over n = {items} items" + (f" ({model})" if model else ""))
     return figure
 
 
@@ -247,11 +253,13 @@ def _item_figure(entry: dict[str, Any], sites: Sequence[str]) -> Figure:
     for ax, s, site in zip(axes, range(len(sites)), sites, strict=True):
         image = ax.imshow(scores[s], aspect="auto", origin="lower", cmap="RdBu_r", vmin=-1, vmax=1,
                           extent=(-0.5, positions - 0.5, layers[0] - 0.5, layers[-1] + 0.5))
-        labels = [f"{p}\n{t!r}"[:18] for p, t in enumerate(entry["tokens"])]
+        labels = [token_label(p, a) + ("" if a == b else f"\n{shorten(repr(b), 12)}")
+                  for p, (a, b) in enumerate(entry["tokens"])]
         ax.set_xticks(range(positions), labels, fontsize=7)
-        ax.set_xlabel("position (clean/corrupted token)")
+        ax.set_xlabel("position (clean token; corrupted token below where it differs)")
         ax.set_ylabel("layer")
         ax.set_title(site)
     figure.colorbar(image, ax=axes, label="share of logit difference restored")
-    figure.suptitle(f"activation patching, item {entry['item']}")
+    model = entry.get("model")
+    figure.suptitle(f"activation patching, item {entry['item']}" + (f" ({model})" if model else ""))
     return figure

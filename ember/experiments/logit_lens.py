@@ -26,6 +26,7 @@ from ember.errors import ConfigError
 from ember.experiments.base import Experiment
 from ember.experiments.context import ExecutionPhase, LayerContext, ModelContext, TensorAccess
 from ember.experiments.failure import ExperimentError
+from ember.experiments.labels import shorten, token_label
 from ember.experiments.readout import log_softmax
 from ember.experiments.results import ExperimentResult
 from ember.experiments.study import Evaluation, ItemResult, StudyItem
@@ -56,11 +57,13 @@ class LogitLens(Experiment):
         self._every_position = False  # this item gets a layers x positions figure
         self._top_rows: list[dict[str, Any]] = []
         self._maps: list[dict[str, Any]] = []
+        self._model = ""
 
     def on_model_loaded(self, ctx: ModelContext) -> None:
         if ctx.readout is None:
             raise ExperimentError("this engine offers no readout (contract v0.2), which the logit lens needs")
         self._readout = ctx.readout
+        self._model = ctx.model_id or ctx.architecture
 
     def before_prefill(self, ctx: Any) -> None:
         self._layer_logits = {}
@@ -117,7 +120,7 @@ class LogitLens(Experiment):
         positions = np.arange(stack.shape[1])
         probs = np.exp(log_probs[:, positions, predicted])                # [L, T]
         tops = np.argmax(stack, axis=-1)                                   # [L, T]
-        return {"item": item.index, "probs": probs,
+        return {"item": item.index, "probs": probs, "text": item.text, "model": self._model,
                 "tops": np.array(self._readout.token_text(tops.ravel()), dtype=object).reshape(tops.shape),
                 "inputs": self._readout.token_text(item.token_ids),
                 "predicted": self._readout.token_text(predicted)}
@@ -157,11 +160,12 @@ def _map_figure(entry: dict[str, Any]) -> Figure:
     if positions <= 24:
         for layer in range(layers):
             for position in range(positions):
-                text = repr(str(tops[layer, position]))[1:-1][:10]
+                text = shorten(repr(str(tops[layer, position]))[1:-1], 10)
                 ax.text(position, layer, text, ha="center", va="center",
                         fontsize=6, color="white" if probs[layer, position] < 0.5 else "black")
-    ax.set_xticks(range(positions), [f"{i}\n{t!r}"[:14] for i, t in enumerate(entry["inputs"])], fontsize=7)
+    ax.set_xticks(range(positions), [token_label(i, t) for i, t in enumerate(entry["inputs"])], fontsize=7)
     ax.set_xlabel("position (input token); cells: the layer's top token")
     ax.set_ylabel("layer")
-    ax.set_title(f"logit lens, item {entry['item']}")
+    ax.set_title(f"logit lens, item {entry['item']}: {shorten(repr(entry.get('text', '')), 60)}\n"
+                 f"{entry.get('model', '')}", fontsize=10)
     return figure

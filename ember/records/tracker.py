@@ -42,7 +42,9 @@ log = logging.getLogger(__name__)
 FINISHED, FAILED, KILLED = "FINISHED", "FAILED", "KILLED"
 
 # MLflow 3's UI opens an experiment in its model-training view (runs, charts), not the GenAI view
-# (traces, evaluations), when the experiment carries this tag with this value.
+# (traces, evaluations), when the experiment carries this tag with this value. The 3.17 UI no longer
+# reads it: a switch in the page (remembered by the browser, or `?workflowType=machine_learning` in the
+# address) chooses the view; README.md says so.
 EXPERIMENT_TAGS = {"mlflow.experimentKind": "custom_model_development"}
 
 # The UI's Source column: what made the run (the Hydra runner; the `ember` command sets its own name).

@@ -184,7 +184,7 @@ def _run_prepared(prepared: Prepared, job: JobInfo, recorder: Record, choice: Th
                   where: str) -> tuple[int, str]:
     """Load, generate, measure, record; (exit status, what went wrong)."""
     run = prepared.run
-    recorder.log_params(job_params(job, flatten(prepared.plain)))
+    recorder.log_params(job_params(job, run_params(prepared)))
     recorder.log_text(OmegaConf.to_yaml(OmegaConf.create(prepared.plain)), "config.yaml")
 
     model, cache_hit = models.cached_model(prepared.model_file, run.model.context_length, choice,
@@ -266,6 +266,16 @@ def _run_prepared(prepared: Prepared, job: JobInfo, recorder: Record, choice: Th
     else:
         say(f"ember: {prepared.run_name}: {summary}")
     return EXIT_OK, ""
+
+
+def run_params(prepared: Prepared) -> dict[str, object]:
+    """The run's params: its resolved config, flattened; with a prompt set (`data`), without the
+    `prompt` and `messages` it did not use (config.yaml keeps the config as resolved)."""
+    params = flatten(prepared.plain)
+    if prepared.run.data is not None:
+        params = {k: v for k, v in params.items()
+                  if k not in ("prompt", "messages") and not k.startswith("messages.")}
+    return params
 
 
 def _on_this_node(error: EmberError, job: JobInfo) -> str:

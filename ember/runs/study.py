@@ -9,10 +9,11 @@ top-1 agreement, first divergent step; the clean answer metrics and their deltas
 
 Recorded: the prompt set as the run's dataset input; one row per item in the `study/items.json` table
 (written as the items are done, every `EMBER_CHECKPOINT_SECONDS`, so a killed study keeps them);
-per metric (and per step of a series) the mean, standard error and 95% bootstrap interval as metrics
-(`name`, `name.se`, `name.ci_low`, `name.ci_high`; series with the step, e.g. the layer); a figure per key
-series; the experiments' own study results; timings (`study.engine_seconds`, `study.runner_seconds`,
-...). Metrics go in batches of up to 1000 values per MLflow call.
+per metric (and per step of a series, e.g. the layer) the mean over items as a metric, and the mean,
+standard error and 95% bootstrap interval in one table, `study/summary.json`; a figure per key series;
+the experiments' own study results; timings (`study.engine_seconds`, `study.runner_seconds`, ...); and
+one self-contained results page, `results.html` (ember.studies.report). Metrics go in batches of up to
+1000 values per MLflow call.
 """
 
 from __future__ import annotations
@@ -34,7 +35,14 @@ from ember.runs.checkpoint import Interval
 from ember.runs.effect import LogitsRecorder, intervention_effect
 from ember.runs.prepare import may_write
 from ember.studies.aggregate import Aggregate, aggregate_columns
-from ember.studies.figures import series_figure
+from ember.studies.figures import INTERVAL_LABEL, human_label, png_bytes, series_figure
+from ember.studies.report import PageFigure, render, study_page, summary_columns
+
+# The study's results page, at the top of the run's artifacts.
+RESULTS_PAGE = "results.html"
+# The prompt set's role as the run's dataset input (MLflow's `mlflow.data.context` tag); not "eval",
+# which reads as an MLflow GenAI evaluation in the UI.
+DATASET_CONTEXT = "study"
 
 # Timings of one study: model evaluations, experiment code between them, and everything else.
 _TIMING_METRICS = ("engine_seconds", "experiment_seconds", "runner_seconds", "total_seconds")
@@ -211,7 +219,7 @@ class Study:
         schema = {"mlflow_colspec": [{"type": "string", "name": name, "required": False}
                                      for name in prompts.fields()]}
         self.recorder.log_dataset(prompts.name, prompts.digest, prompts.source_type, source, schema,
-                                  len(prompts.items))
+                                  len(prompts.items), context=DATASET_CONTEXT)
 
     def aggregates(self) -> dict[tuple[str, int], Aggregate]:
         keys: list[tuple[str, int]] = []
@@ -228,21 +236,26 @@ class Study:
         aggregates = self.aggregates() if self.values else {}
         recorder, plan = self.recorder, self.plan
         metrics: list[tuple[str, float, int]] = [("study.items", float(len(self.rows)), 0)]
-        for (name, step), agg in aggregates.items():
-            if math.isfinite(agg.mean):
-                metrics.append((name, agg.mean, step))
-                metrics += [(f"{name}.{part}", value, step) for part, value in
-                            (("se", agg.se), ("ci_low", agg.ci_low), ("ci_high", agg.ci_high))
-                            if math.isfinite(value)]
+        # The mean is the metric; its standard error and interval are in study/summary.json and the page.
+        metrics += [(name, agg.mean, step) for (name, step), agg in aggregates.items()
+                    if math.isfinite(agg.mean)]
         if self.rows:
             self._write_items()
         key = [name for name in self.key if any(k[0] == name for k in aggregates)]
+        series = sorted(self.series_names)
+        if aggregates:
+            recorder.log_table(summary_columns(aggregates, key, series), "study/summary.json")
+        figures: list[tuple[str, Any]] = []  # (caption, figure) for the results page
         for name in key:
             if name in self.series_names:
                 steps = sorted(step for (n, step) in aggregates if n == name)
                 figure = series_figure(name, steps, [aggregates[(name, s)] for s in steps],
-                                       f"{plan.prompt_set.name}, {len(self.rows)} items")
+                                       model=self.prepared.model_label, prompt_set=plan.prompt_set.name,
+                                       n=len(self.rows))
                 recorder.log_figure(figure, f"study/{name}.png")
+                caption = (f"study/{name}.png: {human_label(name)} per layer, mean over {len(self.rows)} "
+                           f"items with its {INTERVAL_LABEL}")
+                figures.append((caption, figure))
         results = {}
         for experiment in [*([plan.driver] if plan.driver is not None else []), *plan.shared]:
             try:
@@ -263,6 +276,17 @@ class Study:
                            "ember.study.digest": plan.prompt_set.digest,
                            "ember.study.items": str(len(self.rows)),
                            "ember.study.key_metrics": ",".join(key)})
+        if getattr(recorder, "run_id", None) is not None:  # the page, after the timings (not counted)
+            for name, result in results.items():
+                figures += [(f"experiments/{name}/{title}.png", figure)
+                            for title, figure in _figures_of(result).items()]
+            page = study_page(model=self.prepared.model_label, prompt_set=plan.prompt_set.name,
+                              digest=plan.prompt_set.digest, items=len(self.rows), run_id=recorder.run_id,
+                              aggregates=aggregates, key=key, series=series,
+                              figures=[PageFigure(caption, png_bytes(figure)) for caption, figure in figures],
+                              item_columns=_columns(self.rows), config=_yaml(self.prepared.plain),
+                              status="stopped early: " + str(failure) if failure is not None else "")
+            recorder.log_text(render(page), RESULTS_PAGE)
         self.timings = timings
         return self._summary(aggregates, key, timings)
 
@@ -355,6 +379,20 @@ def _prefixed(result: ItemResult | None, prefix: str) -> ItemResult:
 
 def _interval(agg: Aggregate) -> str:
     return f"{agg.mean:.4g} [95% CI {agg.ci_low:.4g}, {agg.ci_high:.4g}] (n={agg.n})"
+
+
+def _figures_of(result: Any) -> dict[str, Any]:
+    """An experiment's figures (built already when they were logged); none if building them fails."""
+    try:
+        return dict(result.figures)
+    except Exception:
+        return {}
+
+
+def _yaml(plain: Any) -> str:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_yaml(OmegaConf.create(plain))
 
 
 def _plain(value: Any) -> Any:
