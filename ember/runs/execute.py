@@ -285,9 +285,7 @@ def _run_study(prepared: Prepared, model: object, recorder: Recorder, job: JobIn
             f"{len(prepared.study.items)} items)")
         recorder.set_tags(tracking.failure_tags(tracking.failure_record(outcome.failure, None)))
         return EXIT_FAILED, str(outcome.failure)
-    if recorder.run_id is not None and recorder.tracker is not None:
-        say(f"ember: recorded as MLflow run {recorder.run_id} in {recorder.tracker.store.tracking_uri}")
-    return EXIT_OK, ""
+    return EXIT_OK, ""  # `recorded as MLflow run ...` is said once, when the run is closed
 
 
 def _record_invalid_job(cfg: DictConfig, job: JobInfo, error: str) -> None:

@@ -37,6 +37,7 @@ from ember.studies.aggregate import Aggregate, aggregate_columns
 from ember.studies.figures import series_figure
 
 # Timings of one study: model evaluations, experiment code between them, and everything else.
+PROGRESS_DELAY = 3.0  # seconds a study's items take before their progress is shown
 _TIMING_METRICS = ("engine_seconds", "experiment_seconds", "runner_seconds", "total_seconds")
 
 
@@ -91,11 +92,13 @@ class Study:
             for experiment in [*([plan.driver] if plan.driver is not None else []), *plan.shared]:
                 prepare = getattr(experiment, "prepare_study", None)
                 if callable(prepare):
-                    with Progress(f"preparing {experiment.name} over {len(plan.items)} items",
-                                  total=len(plan.items), enabled=self.progress):
+                    with Progress.status(f"preparing {experiment.name} over {len(plan.items)} items",
+                                         enabled=self.progress):
                         self._drive(experiment, prepare(plan.items))
             label = f"{plan.prompt_set.name}: {len(plan.items)} items"
-            with Progress(label, total=len(plan.items), enabled=self.progress) as advance:
+            # Shown only once the items have taken PROGRESS_DELAY seconds: a quick study prints its summary.
+            with Progress(label, total=len(plan.items), enabled=self.progress,
+                          delay=PROGRESS_DELAY) as advance:
                 for item in plan.items:
                     if plan.driver is not None:
                         result = _prefixed(self._drive(plan.driver, plan.driver.evaluate_item(item)),
