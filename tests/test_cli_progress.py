@@ -65,7 +65,7 @@ def test_work_shorter_than_the_delay_prints_nothing() -> None:
             advance(1)
     assert stream.getvalue() == ""
     stream = io.StringIO()
-    with pytest.raises(ValueError), Progress("a quick failure", total=3, stream=stream, delay=3600) as advance:
+    with pytest.raises(ValueError), Progress("quick failure", total=3, stream=stream, delay=3600) as advance:
         advance(1)
         raise ValueError("boom")
     assert stream.getvalue() == ""
