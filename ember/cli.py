@@ -15,7 +15,8 @@ benchmark, before loading anything, so no value's before/after-intervention mean
 `--trace` may run with experiments (they see `TracingState.ENABLED`). Records go to MLflow (the same store
 as `ember run`: $MLFLOW_TRACKING_URI or outputs/mlflow.db) unless `--no-mlflow`.
 
-Exit status: 0 done, 1 an experiment failed, 2 a usage or configuration mistake, 130 interrupted.
+Exit status: 0 done, 1 an experiment failed, 2 a usage or configuration mistake, 130 interrupted (Ctrl-C),
+143 terminated (SIGTERM).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from typing import Any
 from ember.errors import ConfigError, EmberError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_TERMINATED = 128 + signal.SIGTERM  # 143
 DEFAULT_MODEL = "smollm2-135m"
 
 # Which refusal each subcommand is subject to (generate: only with --dump-layers / --dump-logits).
@@ -133,10 +135,14 @@ def build_parser() -> argparse.ArgumentParser:
                       help="tokens per reply; 0: prefill only, no token (default: %(default)s)")
 
     bench = sub.add_parser("benchmark", parents=[common], help="load, prefill, decode figures and peak RSS")
-    bench.add_argument("--prompt-tokens", type=int, default=64)
-    bench.add_argument("--new-tokens", type=int, default=32)
-    bench.add_argument("--repeats", type=int, default=3)
-    bench.add_argument("--json", dest="json_path", default=None, help="also write the figures to this file")
+    bench.add_argument("--prompt-tokens", type=int, default=64,
+                       help="prompt length prefilled in each repeat (default: %(default)s)")
+    bench.add_argument("--new-tokens", type=int, default=32,
+                       help="tokens decoded after the prompt in each repeat, ≥ 2 (default: %(default)s)")
+    bench.add_argument("--repeats", type=int, default=3,
+                       help="measured repeats; the figures are their medians (default: %(default)s)")
+    bench.add_argument("--json", dest="json_path", default=None,
+                       help="write the figures to this file as JSON (then stdout gets a short summary)")
 
     sub.add_parser("run", help="the Hydra front door: ember run [group=option key=value ...] (see ember.run)",
                    add_help=False)
@@ -421,10 +427,13 @@ def cmd_benchmark(args: argparse.Namespace) -> int:
                         prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, repeats=args.repeats,
                         progress=not args.quiet, tracer=tracer, weights=args.weights)
     text = json.dumps(figures, indent=2)
-    print(text)
     if args.json_path:
         Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_path).write_text(text + "\n")
+        print(benchmark_summary(figures))
+        say(f"figures written to {args.json_path}")
+    else:
+        print(text)
     with mlflow_run(mlflow_settings(args), f"benchmark {args.model}",
                     {"model.name": figures["model"]["name"], "model.path": figures["model"]["path"]}) as log:
         log.params({k: v for k, v in figures["settings"].items()})
@@ -433,6 +442,17 @@ def cmd_benchmark(args: argparse.Namespace) -> int:
         log.json(figures, "benchmark.json")
         _finish_trace(args, tracer, log)
     return EXIT_OK
+
+
+def benchmark_summary(figures: dict[str, Any]) -> str:
+    """The headline figures in one line (`ember benchmark --json FILE` keeps them all in the file)."""
+    r, settings = figures["results"], figures["settings"]
+    decode = r.get("decode_tokens_per_second")
+    decode = f", decode {decode:.1f} tok/s" if decode is not None else ""
+    return (f"{figures['model']['name']}: load {r['load_seconds']:.2f} s, prefill of "
+            f"{settings['prompt_tokens']} tokens {r['prefill_tokens_per_second']:.1f} tok/s{decode}, peak RSS "
+            f"{r['peak_rss_bytes'] / 2**20:.0f} MiB ({settings['threads']} threads, median of "
+            f"{settings['repeats']})")
 
 
 def cmd_runs(args: argparse.Namespace) -> int:
@@ -574,7 +594,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return EXIT_USAGE
     # SIGTERM as Ctrl-C: an open run is closed as KILLED with what it has (as `ember run` does).
-    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    from ember.errors import raise_terminated
+
+    previous = signal.signal(signal.SIGTERM, raise_terminated)
     try:
         check_combination(args)
         check_options(args)
@@ -591,9 +613,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except EmberError as error:
         say(str(error))
         return EXIT_USAGE
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as interrupt:
         say("interrupted")
-        return EXIT_INTERRUPTED
+        from ember.errors import Terminated
+
+        return EXIT_TERMINATED if isinstance(interrupt, Terminated) else EXIT_INTERRUPTED
     finally:
         signal.signal(signal.SIGTERM, previous)
 

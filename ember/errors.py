@@ -29,3 +29,13 @@ class TokenizerError(EmberError):
 
 class ContextLengthError(ConfigError):
     """A prompt plus the requested new tokens does not fit the context."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, handled like Ctrl-C (every open run is closed as KILLED); the process then exits 143
+    (128 + SIGTERM), as a terminated program does, where Ctrl-C exits 130."""
+
+
+def raise_terminated(signum: int, frame: object) -> None:
+    """A SIGTERM handler: `signal.signal(signal.SIGTERM, raise_terminated)`."""
+    raise Terminated()

@@ -32,7 +32,7 @@ import hydra
 from omegaconf import DictConfig
 
 from ember import tracking
-from ember.errors import EmberError
+from ember.errors import EmberError, Terminated, raise_terminated
 from ember.runs.execute import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, run_job, say
 from ember.runs.overrides import describe_hydra_error, preflight
 
@@ -45,6 +45,7 @@ warnings.filterwarnings("ignore", message=r"\s*'hydra/launcher/(ray|submitit_loc
 # ------------------------------------------------------------------------------------ entry point
 
 _EXIT_CODES: list[int] = []
+EXIT_TERMINATED = 128 + signal.SIGTERM  # 143: stopped by SIGTERM (Ctrl-C: EXIT_INTERRUPTED, 130)
 
 
 # conf/ sits next to the package in the source tree (an editable install runs from there).
@@ -56,14 +57,6 @@ def _hydra_task(cfg: DictConfig) -> Any:
     outcome = run_job(cfg)
     _EXIT_CODES.append(outcome.code)
     return outcome.for_sweeper()  # the exit status, or a search's objective
-
-
-class _Terminated(KeyboardInterrupt):
-    """SIGTERM, handled like Ctrl-C so every open run is closed as KILLED."""
-
-
-def _on_sigterm(signum: int, frame: Any) -> None:
-    raise _Terminated()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -89,7 +82,7 @@ def _main() -> int:
     except EmberError as error:
         say(f"ember: {error}")
         return EXIT_USAGE
-    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    previous = signal.signal(signal.SIGTERM, raise_terminated)  # as Ctrl-C, exit 143
     started = time.perf_counter()
     # Hydra's own errors are raised to this function (not printed by Hydra) unless the user asked for
     # Hydra's full reports with HYDRA_FULL_ERROR.
@@ -118,12 +111,12 @@ def _main() -> int:
         if sweep is not None:
             _report_sweep(sweep, started)
         return EXIT_FAILED
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as interrupt:
         sweep = _close_open_sweep(interrupted=True)
         if sweep is not None:
             say("ember: sweep interrupted; its parent run is recorded as KILLED"
                 + (f": MLflow run {sweep.run_id} in {sweep.tracking_uri}" if sweep.run_id else ""))
-        return EXIT_INTERRUPTED
+        return EXIT_TERMINATED if isinstance(interrupt, Terminated) else EXIT_INTERRUPTED
     except SystemExit as exit_:
         # Hydra's own errors (bad override syntax, unknown group, ...) and launcher crashes (a joblib
         # worker died): Hydra has printed what happened; a sweep that was under way is closed FAILED.

@@ -277,7 +277,8 @@ def _run_study(prepared: Prepared, model: object, recorder: Recorder, job: JobIn
     items done so far are recorded."""
     from ember.runs.study import Study
 
-    outcome = Study(prepared, model, recorder, say).run()
+    show = None if job.multirun else (lambda text: print(text, flush=True))
+    outcome = Study(prepared, model, recorder, say, show=show).run()
     for line in outcome.summary:
         say(f"ember: {where}{line}" if line is outcome.summary[0] else line)
     if outcome.failure is not None:

@@ -66,8 +66,9 @@ class Study:
     """One study job: `run()` evaluates, aggregates and records; the caller closes the run."""
 
     def __init__(self, prepared: Any, model: Any, recorder: Any, say: Callable[[str], None],
-                 progress: bool = True) -> None:
+                 progress: bool = True, show: Callable[[str], None] | None = None) -> None:
         self.prepared = prepared
+        self.show = show  # each item's prompt and generated text, when the runner generates
         self.plan = prepared.study
         self.model = model
         self.recorder = recorder
@@ -147,7 +148,10 @@ class Study:
             list(item.token_ids), max_new_tokens=run.max_new_tokens, temperature=run.sampling.temperature,
             top_k=run.sampling.top_k, top_p=run.sampling.top_p, min_p=run.sampling.min_p,
             seed=run.sampling.seed, experiments=[*attached, logits_seen], stop_at_eog=run.stop_at_eog))
-        result = ItemResult(row={"generated": generation.text})
+        result = ItemResult(row={"generated": generation.text},
+                            values={"tokens.generated": float(len(generation.token_ids))})
+        if self.show is not None:
+            self.show(f"{item.text}{generation.text}")
         for experiment in fresh:
             _add_metrics(result, experiment.name, generation.experiment_results[experiment.name].metrics)
         first = logits_seen.rows[0]
@@ -176,6 +180,8 @@ class Study:
         elif item.answer_ids:
             result.key = ("answer.prob", "answer.correct") + (
                 ("answer.logit_diff",) if item.wrong_answer_ids else ())
+        if not result.key:  # plain generation over a prompt set: what each item generated
+            result.key = ("tokens.generated",)
         return result
 
     def _collect(self, item: StudyItem, result: ItemResult | None) -> None:
