@@ -450,8 +450,8 @@ def benchmark_summary(figures: dict[str, Any]) -> str:
     decode = r.get("decode_tokens_per_second")
     decode = f", decode {decode:.1f} tok/s" if decode is not None else ""
     return (f"{figures['model']['name']}: load {r['load_seconds']:.2f} s, prefill of "
-            f"{settings['prompt_tokens']} tokens {r['prefill_tokens_per_second']:.1f} tok/s{decode}, peak RSS "
-            f"{r['peak_rss_bytes'] / 2**20:.0f} MiB ({settings['threads']} threads, median of "
+            f"{settings['prompt_tokens']} tokens {r['prefill_tokens_per_second']:.1f} tok/s{decode}, "
+            f"peak RSS {r['peak_rss_bytes'] / 2**20:.0f} MiB ({settings['threads']} threads, median of "
             f"{settings['repeats']})")
 
 
