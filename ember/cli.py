@@ -1,6 +1,6 @@
 """The `ember` command: everyday use and inspection surfaces, beside the Hydra front door.
 
-    ember generate "The capital of France is" [--experiment zero_layer_output:layer=3] [--trace t.json]
+    ember generate "The capital of France is" [--experiment zero_layer:layer=3] [--trace t.json]
     ember generate "The capital of France is" --dump-layers --dump-logits --dump-dir dumps/
     ember extract prompts.jsonl --layers 0,6,-1 --stage after_layer --pool last --out states.npz
     ember probe prompts.jsonl --folds 5                  # needs a label per prompt (JSONL "label")
@@ -175,7 +175,7 @@ def experiment_specs(texts: Sequence[str]) -> list[Any]:
     for index, text in enumerate(texts):
         name, _, rest = text.partition(":")
         if not name.strip():
-            raise ConfigError(f"--experiment {text!r}: give a name, e.g. zero_layer_output:layer=3")
+            raise ConfigError(f"--experiment {text!r}: give a name, e.g. zero_layer:layer=3")
         params: dict[str, Any] = {}
         for item in filter(None, (part.strip() for part in rest.split(","))):
             key, eq, value = item.partition("=")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
+
 
 class EmberError(Exception):
     """Base class of every error ember reports to its users."""
@@ -39,3 +42,10 @@ class Terminated(KeyboardInterrupt):
 def raise_terminated(signum: int, frame: object) -> None:
     """A SIGTERM handler: `signal.signal(signal.SIGTERM, raise_terminated)`."""
     raise Terminated()
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
+    """` (did you mean mode?)` when one of `choices` is close to `word`, else ``: for every message that
+    refuses a name."""
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""

@@ -12,12 +12,12 @@ line.
 from __future__ import annotations
 
 import argparse
-import difflib
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ember.errors import ConfigError
+from ember.errors import ConfigError, did_you_mean
 from ember.runconfig import _MLFLOW_KEYS, _MODEL_KEYS, _SAMPLING_KEYS, _TOP_LEVEL_KEYS
 
 # Keys of ember's config whose children are known, for naming what a nested key could have been.
@@ -186,8 +186,7 @@ def _not_an_option(overrides: Sequence[str], config_dir: str) -> str | None:
 
 
 def _suggest(word: str, choices: Iterable[str]) -> str:
-    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
-    return f" (did you mean {close[0]}?)" if close else ""
+    return did_you_mean(word, choices)
 
 
 def describe_hydra_error(error: BaseException, overrides: Sequence[str] = ()) -> str:
@@ -236,12 +235,24 @@ def describe_hydra_error(error: BaseException, overrides: Sequence[str] = ()) ->
     return first
 
 
+def experiment_parameters() -> set[str]:
+    """Every parameter name of the built-in experiments, for suggesting what a misspelt one meant."""
+    import inspect
+
+    from ember.experiments import BUILTIN_EXPERIMENTS
+
+    return {name for cls in BUILTIN_EXPERIMENTS.values() for name in inspect.signature(cls).parameters}
+
+
 def unknown_key(key: str) -> str:
     parent, _, leaf = key.rpartition(".")
     if parent.startswith("hydra") or key.startswith("hydra"):
         return (f"unknown Hydra setting {key!r}; python -m ember.run --cfg hydra shows Hydra's settings "
                 f"(add a new one with +{key}=...)")
     known = KNOWN_CHILDREN.get(parent)
+    if known is None and re.fullmatch(r"experiments(\[\d+\]|\.\d+)", parent):
+        return (f"unknown config key {key!r}{_suggest(leaf, experiment_parameters())}; an experiment takes "
+                "its class's parameters (python -m ember.run --cfg job shows the config)")
     if known is None:
         return f"unknown config key {key!r}; python -m ember.run --cfg job shows the config"
     where = "known keys" if not parent else f"{parent} takes"
