@@ -20,8 +20,12 @@ import os
 os.environ.setdefault("MPLBACKEND", "Agg")  # figures are files; never open a window
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # records stay where the config says
 
-import signal
 import sys
+
+if not (hasattr(sys.stderr, "isatty") and sys.stderr.isatty()):
+    os.environ.setdefault("NO_COLOR", "1")  # no ANSI colours in logs (Optuna's trial lines, colorlog's)
+
+import signal
 import time
 import warnings
 from collections.abc import Sequence
