@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("MPLBACKEND", "Agg")
+os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")  # ember names the run itself
 
 import argparse
 import json

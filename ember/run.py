@@ -19,6 +19,7 @@ import os
 
 os.environ.setdefault("MPLBACKEND", "Agg")  # figures are files; never open a window
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # records stay where the config says
+os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")  # ember names the run itself
 
 import sys
 

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mlflow.exceptions import MlflowException
 from omegaconf import DictConfig, OmegaConf
 
 from ember import tracking
@@ -127,16 +126,17 @@ def _execute(cfg: DictConfig, job: JobInfo) -> JobOutcome:
         say(f"ember: {where}{error}")
         recorder.set_tags({"ember.error": detail})
         code = EXIT_USAGE
-    except MlflowException as error:
-        uri = recorder.tracker.store.tracking_uri if recorder.tracker else recorder.settings.tracking_uri
-        detail = tracking.describe_mlflow_error(error, uri or "the default store")
-        say(f"ember: {where}{detail}")
-    except Exception as error:  # a bug, not a user mistake: keep the traceback in the record
-        text = traceback.format_exc()
-        detail = f"internal error: {describe_error(error)}"
-        say(f"ember: {where}{detail}\n{text}")
-        recorder.set_tags({"ember.error": describe_error(error)})
-        recorder.log_text(text, "error.txt")
+    except Exception as error:
+        if _from_mlflow(error):
+            uri = recorder.tracker.store.tracking_uri if recorder.tracker else recorder.settings.tracking_uri
+            detail = tracking.describe_mlflow_error(error, uri or "the default store")
+            say(f"ember: {where}{detail}")
+        else:  # a bug, not a user mistake: keep the traceback in the record
+            text = traceback.format_exc()
+            detail = f"internal error: {describe_error(error)}"
+            say(f"ember: {where}{detail}\n{text}")
+            recorder.set_tags({"ember.error": describe_error(error)})
+            recorder.log_text(text, "error.txt")
     finally:
         try:
             # The whole job in this process, validation and loading included (a sweep's per-job cost).
@@ -153,6 +153,12 @@ def _execute(cfg: DictConfig, job: JobInfo) -> JobOutcome:
             if job.multirun and job.output_dir is not None:
                 tracking.write_job_status(job.output_dir, status, detail)
     return JobOutcome(code, value, searching=objective is not None)
+
+
+def _from_mlflow(error: BaseException) -> bool:
+    """An MlflowException, without importing MLflow (~130 MiB) where no record was made with it."""
+    exceptions = sys.modules.get("mlflow.exceptions")
+    return exceptions is not None and isinstance(error, exceptions.MlflowException)
 
 
 def _record_objective(objective: Objective, recorder: Recorder, where: str) -> tuple[int, str, float | None]:
