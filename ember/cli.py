@@ -13,7 +13,8 @@ Experiments (`--experiment NAME[:key=value,...]`, a built-in name or a dotted cl
 `generate` and `run`. v0.1 refuses them together with dumps, extraction, probes, demo, interactive and
 benchmark, before loading anything, so no value's before/after-intervention meaning is ambiguous;
 `--trace` may run with experiments (they see `TracingState.ENABLED`). Records go to MLflow (the same store
-as `ember run`: $MLFLOW_TRACKING_URI or outputs/mlflow.db) unless `--no-mlflow`.
+as `ember run`: $MLFLOW_TRACKING_URI or outputs/mlflow.db) unless `--no-mlflow`; `interactive` and `demo`
+(a conversation, a showcase) record nothing.
 
 Exit status: 0 done, 1 an experiment failed, 2 a usage or configuration mistake, 130 interrupted (Ctrl-C),
 143 terminated (SIGTERM).
