@@ -43,12 +43,15 @@ class Progress:
         self._task: Any = None
         self._started = 0.0
         self._next_line = 0
-        self.delay = delay if total is not None else 0.0  # a status has no advance to show itself at
+        # A status has no advance to show itself at: on a terminal its spinner shows at once (it goes
+        # away at the end), in plain lines only its end line, when the step lasted `delay`.
+        self.delay = delay if total is not None or not self.rich else 0.0
         self._shown = False
 
     @classmethod
-    def status(cls, description: str, *, enabled: bool = True, stream: TextIO | None = None) -> Progress:
-        return cls(description, None, enabled=enabled, stream=stream)
+    def status(cls, description: str, *, enabled: bool = True, stream: TextIO | None = None,
+               delay: float = 0.0) -> Progress:
+        return cls(description, None, enabled=enabled, stream=stream, delay=delay)
 
     def __enter__(self) -> Callable[[int], None]:
         self._started = time.perf_counter()
@@ -109,6 +112,9 @@ class Progress:
 
     def __exit__(self, kind: Any, error: Any, trace: Any) -> None:
         if not self._shown:
+            elapsed = time.perf_counter() - self._started
+            if self.enabled and self.total is None and kind is None and elapsed >= self.delay:
+                self._line(f"{self.description}: done in {elapsed:.1f} s")
             return
         if self._bar is not None:
             self._bar.stop()

@@ -101,3 +101,17 @@ def test_a_late_rich_bar_starts_where_the_work_stands(monkeypatch: pytest.Monkey
         assert bar._bar.tasks[0].completed == 2
         advance(2)
     assert "late bar: 4/4 done in" in stream.getvalue()
+
+
+def test_a_quick_status_with_a_delay_prints_nothing_and_a_long_one_its_end(monkeypatch: pytest.MonkeyPatch):
+    from ember import progress
+
+    stream = io.StringIO()
+    with Progress.status("preparing", stream=stream, delay=3600):
+        pass
+    assert stream.getvalue() == ""
+    now = [0.0]
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: now[0])
+    with Progress.status("preparing", stream=stream, delay=3):
+        now[0] = 4.0
+    assert stream.getvalue() == "ember: preparing: done in 4.0 s\n"

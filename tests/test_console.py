@@ -95,9 +95,10 @@ def test_a_parallel_study_sweep_says_each_thing_once(workdir):
     assert len(recorded) == 2 and all(line.startswith("ember: job #") for line in recorded), recorded
     progress = [line for line in lines if line.startswith("ember: capitals: 4 items")]
     assert len(progress) <= 2 * 6, "progress lines only for items that take long, at most ~5 a job"
-    assert len([line for line in lines if "preparing" in line and "0/" in line]) == 0
-    # Each job: its start, loading (start and end), preparing (start and end), summary (1 + 2 key
-    # metrics), recorded; then the sweep's last line.
+    assert not [line for line in lines if "preparing" in line and "0/" in line]
+    assert lines[-1].startswith("ember: sweep of 2 job(s) finished in ")
+    # Each job: its start, loading (start and end), preparing (its end line, when it took 3 s), summary
+    # (1 + 3 key metrics), recorded; then the sweep's last line.
     assert len(lines) - len(progress) <= 2 * 9 + 1, done.stderr
 
 
@@ -223,3 +224,42 @@ def test_the_exit_status_names_the_signal(workdir, tmp_path, sig, status):
     assert process.returncode == status, err
     [record] = runs_of(workdir, experiment)
     assert record.info.status == "KILLED"
+
+
+# ------------------------------------------------------------------------------------ an HTTP server
+
+
+@pytest.mark.slow
+def test_a_run_on_a_server_prints_only_ember_s_line_about_it(workdir, tmp_path):
+    from test_tracking_server import free_port, stop, wait_until_healthy
+
+    database = prepared_store(tmp_path / "server")
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    log = tmp_path / "server.log"
+    with log.open("w") as sink:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
+             "--workers", "1", "--backend-store-uri", f"sqlite:///{database}",
+             "--artifacts-destination", str(tmp_path / "server" / "artifacts")],
+            stdout=sink, stderr=subprocess.STDOUT, start_new_session=True, cwd=tmp_path)
+    try:
+        wait_until_healthy(base, server, log)
+        done = run(workdir, "max_new_tokens=2", f"mlflow.tracking_uri={base}",
+                   "mlflow.experiment_name=t_console_server")
+    finally:
+        stop(server)
+    assert done.returncode == 0, done.stderr
+    assert "View experiment" not in done.stdout + done.stderr and "View run" not in done.stdout
+    assert done.stdout.startswith("The capital of France is") and len(done.stdout.splitlines()) == 1
+    [recorded] = [line for line in done.stderr.splitlines() if "recorded as MLflow run" in line]
+    assert recorded.endswith(f"(FINISHED) in {base}")
+
+
+def test_no_colours_when_stderr_is_not_a_terminal():
+    """Optuna's and colorlog's ANSI codes honour NO_COLOR, which the runner sets for a log or a pipe."""
+    code = "import os, ember.run; print(os.environ.get('NO_COLOR'))"
+    plain = {k: v for k, v in env().items() if k != "NO_COLOR"}
+    done = subprocess.run([sys.executable, "-c", code], env=plain, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "1", done.stderr

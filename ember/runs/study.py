@@ -94,7 +94,7 @@ class Study:
                 prepare = getattr(experiment, "prepare_study", None)
                 if callable(prepare):
                     with Progress.status(f"preparing {experiment.name} over {len(plan.items)} items",
-                                         enabled=self.progress):
+                                         enabled=self.progress, delay=PROGRESS_DELAY):
                         self._drive(experiment, prepare(plan.items))
             label = f"{plan.prompt_set.name}: {len(plan.items)} items"
             # Shown only once the items have taken PROGRESS_DELAY seconds: a quick study prints its summary.
