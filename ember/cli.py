@@ -1,6 +1,6 @@
 """The `ember` command: everyday use and inspection surfaces, beside the Hydra front door.
 
-    ember generate "The capital of France is" [--experiment zero_layer_output:layer=3] [--trace t.json]
+    ember generate "The capital of France is" [--experiment zero_layer:layer=3] [--trace t.json]
     ember generate "The capital of France is" --dump-layers --dump-logits --dump-dir dumps/
     ember extract prompts.jsonl --layers 0,6,-1 --stage after_layer --pool last --out states.npz
     ember probe prompts.jsonl --folds 5                  # needs a label per prompt (JSONL "label")
@@ -13,9 +13,11 @@ Experiments (`--experiment NAME[:key=value,...]`, a built-in name or a dotted cl
 `generate` and `run`. v0.1 refuses them together with dumps, extraction, probes, demo, interactive and
 benchmark, before loading anything, so no value's before/after-intervention meaning is ambiguous;
 `--trace` may run with experiments (they see `TracingState.ENABLED`). Records go to MLflow (the same store
-as `ember run`: $MLFLOW_TRACKING_URI or outputs/mlflow.db) unless `--no-mlflow`.
+as `ember run`: $MLFLOW_TRACKING_URI or outputs/mlflow.db) unless `--no-mlflow`; `interactive` and `demo`
+(a conversation, a showcase) record nothing.
 
-Exit status: 0 done, 1 an experiment failed, 2 a usage or configuration mistake, 130 interrupted.
+Exit status: 0 done, 1 an experiment failed, 2 a usage or configuration mistake, 130 interrupted (Ctrl-C),
+143 terminated (SIGTERM).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("MPLBACKEND", "Agg")
+os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")  # ember names the run itself
 
 import argparse
 import json
@@ -32,7 +35,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ember.console import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, say
+from ember.console import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_TERMINATED, EXIT_USAGE, say
 from ember.errors import ConfigError, EmberError
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -135,10 +138,14 @@ def build_parser() -> argparse.ArgumentParser:
                       help="tokens per reply; 0: prefill only, no token (default: %(default)s)")
 
     bench = sub.add_parser("benchmark", parents=[common], help="load, prefill, decode figures and peak RSS")
-    bench.add_argument("--prompt-tokens", type=int, default=64)
-    bench.add_argument("--new-tokens", type=int, default=32)
-    bench.add_argument("--repeats", type=int, default=3)
-    bench.add_argument("--json", dest="json_path", default=None, help="also write the figures to this file")
+    bench.add_argument("--prompt-tokens", type=int, default=64,
+                       help="prompt length prefilled in each repeat (default: %(default)s)")
+    bench.add_argument("--new-tokens", type=int, default=32,
+                       help="tokens decoded after the prompt in each repeat, ≥ 2 (default: %(default)s)")
+    bench.add_argument("--repeats", type=int, default=3,
+                       help="measured repeats; the figures are their medians (default: %(default)s)")
+    bench.add_argument("--json", dest="json_path", default=None,
+                       help="write the figures to this file as JSON (then stdout gets a short summary)")
 
     sub.add_parser("run", help="the Hydra front door: ember run [group=option key=value ...] (see ember.run)",
                    add_help=False)
@@ -167,7 +174,7 @@ def experiment_specs(texts: Sequence[str]) -> list[Any]:
     for index, text in enumerate(texts):
         name, _, rest = text.partition(":")
         if not name.strip():
-            raise ConfigError(f"--experiment {text!r}: give a name, e.g. zero_layer_output:layer=3")
+            raise ConfigError(f"--experiment {text!r}: give a name, e.g. zero_layer:layer=3")
         params: dict[str, Any] = {}
         for item in filter(None, (part.strip() for part in rest.split(","))):
             key, eq, value = item.partition("=")
@@ -418,10 +425,13 @@ def cmd_benchmark(args: argparse.Namespace) -> int:
                         prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, repeats=args.repeats,
                         progress=not args.quiet, tracer=tracer, weights=args.weights)
     text = json.dumps(figures, indent=2)
-    print(text)
     if args.json_path:
         Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_path).write_text(text + "\n")
+        print(benchmark_summary(figures))
+        say(f"ember: figures written to {args.json_path}")
+    else:
+        print(text)
     with mlflow_run(mlflow_settings(args), f"benchmark {args.model}",
                     {"model.name": figures["model"]["name"], "model.path": figures["model"]["path"]}) as log:
         log.log_params({k: v for k, v in figures["settings"].items()})
@@ -430,6 +440,17 @@ def cmd_benchmark(args: argparse.Namespace) -> int:
         log.log_json(figures, "benchmark.json")
         _finish_trace(args, tracer, log)
     return EXIT_OK
+
+
+def benchmark_summary(figures: dict[str, Any]) -> str:
+    """The headline figures in one line (`ember benchmark --json FILE` keeps them all in the file)."""
+    r, settings = figures["results"], figures["settings"]
+    decode = r.get("decode_tokens_per_second")
+    decode = f", decode {decode:.1f} tok/s" if decode is not None else ""
+    return (f"{figures['model']['name']}: load {r['load_seconds']:.2f} s, prefill of "
+            f"{settings['prompt_tokens']} tokens {r['prefill_tokens_per_second']:.1f} tok/s{decode}, "
+            f"peak RSS {r['peak_rss_bytes'] / 2**20:.0f} MiB ({settings['threads']} threads, median of "
+            f"{settings['repeats']})")
 
 
 def cmd_runs(args: argparse.Namespace) -> int:
@@ -572,7 +593,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return EXIT_USAGE
     # SIGTERM as Ctrl-C: an open run is closed as KILLED with what it has (as `ember run` does).
-    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    from ember.errors import raise_terminated
+
+    previous = signal.signal(signal.SIGTERM, raise_terminated)
     try:
         check_combination(args)
         check_options(args)
@@ -589,9 +612,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except EmberError as error:
         say("ember: " + str(error))
         return EXIT_USAGE
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as interrupt:
         say("ember: interrupted")
-        return EXIT_INTERRUPTED
+        from ember.errors import Terminated
+
+        return EXIT_TERMINATED if isinstance(interrupt, Terminated) else EXIT_INTERRUPTED
     finally:
         signal.signal(signal.SIGTERM, previous)
 

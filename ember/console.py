@@ -8,8 +8,8 @@ from __future__ import annotations
 import sys
 
 # Exit statuses: done; something failed (an experiment, a job of a sweep); the user's input cannot run
-# (one `ember: ...` line, nothing loaded); interrupted (Ctrl-C, SIGTERM).
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+# (one `ember: ...` line, nothing loaded); interrupted (Ctrl-C); terminated (SIGTERM, 128 + 15).
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
 
 
 def say(message: str) -> None:

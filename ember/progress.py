@@ -9,7 +9,8 @@
         model = load_model(...)
 
 Plain mode prints a start line, about ten evenly spaced `i/total, ETA ...` lines and an end line with
-the elapsed time, all on stderr, so logs stay short.
+the elapsed time, all on stderr, so logs stay short. With `delay=SECONDS` a counted piece of work shows
+nothing until it has lasted that long (checked at each advance): work that ends sooner leaves no line.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ class Progress:
     """A context manager for one piece of work; entering it gives `advance(n=1)`."""
 
     def __init__(self, description: str, total: int | None = None, *, enabled: bool = True,
-                 stream: TextIO | None = None, rich: bool | None = None) -> None:
+                 stream: TextIO | None = None, rich: bool | None = None, delay: float = 0.0) -> None:
         self.description = description
         self.total = total
         self.enabled = enabled
@@ -42,15 +43,24 @@ class Progress:
         self._task: Any = None
         self._started = 0.0
         self._next_line = 0
+        # A status has no advance to show itself at: on a terminal its spinner shows at once (it goes
+        # away at the end), in plain lines only its end line, when the step lasted `delay`.
+        self.delay = delay if total is not None or not self.rich else 0.0
+        self._shown = False
 
     @classmethod
-    def status(cls, description: str, *, enabled: bool = True, stream: TextIO | None = None) -> Progress:
-        return cls(description, None, enabled=enabled, stream=stream)
+    def status(cls, description: str, *, enabled: bool = True, stream: TextIO | None = None,
+               delay: float = 0.0) -> Progress:
+        return cls(description, None, enabled=enabled, stream=stream, delay=delay)
 
     def __enter__(self) -> Callable[[int], None]:
         self._started = time.perf_counter()
-        if not self.enabled:
-            return self.advance
+        if self.enabled and self.delay <= 0:
+            self._show()
+        return self.advance
+
+    def _show(self) -> None:
+        self._shown = True
         if self.rich:
             from rich.console import Console
             from rich.progress import (
@@ -70,19 +80,27 @@ class Progress:
             console = Console(file=self.stream)
             self._bar = RichProgress(*columns, console=console, transient=True)
             self._bar.start()
-            self._task = self._bar.add_task(self.description, total=self.total)
-        else:
+            self._task = self._bar.add_task(self.description, total=self.total, completed=self.done)
+        elif self.done == 0:
             self._line(f"{self.description} ..." if self.total is None
                        else f"{self.description}: 0/{self.total}")
             self._next_line = self._step()
-        return self.advance
+        else:  # shown late: the next advance prints where the work stands
+            self._next_line = self.done
 
     def _step(self) -> int:
-        return max(1, (self.total or 0) // 10)
+        return max(1, -(-(self.total or 0) // 10))  # about ten lines: 16 items print every 2nd
 
     def advance(self, n: int = 1) -> None:
         self.done += n
         if not self.enabled:
+            return
+        if not self._shown:
+            if time.perf_counter() - self._started < self.delay:
+                return
+            self.done -= n  # the bar and the plain line start from where the work stood before
+            self._show()
+            self.advance(n)
             return
         if self._bar is not None:
             self._bar.advance(self._task, n)
@@ -93,7 +111,10 @@ class Progress:
             self._next_line = self.done + self._step()
 
     def __exit__(self, kind: Any, error: Any, trace: Any) -> None:
-        if not self.enabled:
+        if not self._shown:
+            elapsed = time.perf_counter() - self._started
+            if self.enabled and self.total is None and kind is None and elapsed >= self.delay:
+                self._line(f"{self.description}: done in {elapsed:.1f} s")
             return
         if self._bar is not None:
             self._bar.stop()

@@ -19,9 +19,14 @@ import os
 
 os.environ.setdefault("MPLBACKEND", "Agg")  # figures are files; never open a window
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # records stay where the config says
+os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")  # ember names the run itself
+
+import sys
+
+if not (hasattr(sys.stderr, "isatty") and sys.stderr.isatty()):
+    os.environ.setdefault("NO_COLOR", "1")  # no ANSI colours in logs (Optuna's trial lines, colorlog's)
 
 import signal
-import sys
 import time
 import warnings
 from collections.abc import Sequence
@@ -31,8 +36,8 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig
 
-from ember.console import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, say
-from ember.errors import EmberError
+from ember.console import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_TERMINATED, EXIT_USAGE, say
+from ember.errors import EmberError, Terminated, raise_terminated
 from ember.records.store import check_reachable, quiet_mlflow_logging
 from ember.records.sweep import Sweep, SweepSummary
 from ember.runs.execute import run_job
@@ -61,14 +66,6 @@ def _hydra_task(cfg: DictConfig) -> Any:
     return outcome.for_sweeper()  # the exit status, or a search's objective
 
 
-class _Terminated(KeyboardInterrupt):
-    """SIGTERM, handled like Ctrl-C so every open run is closed as KILLED."""
-
-
-def _on_sigterm(signum: int, frame: Any) -> None:
-    raise _Terminated()
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run Hydra with `argv` (default: the command line) and return the process exit status."""
     saved_argv = sys.argv
@@ -92,7 +89,7 @@ def _main() -> int:
     except EmberError as error:
         say(f"ember: {error}")
         return EXIT_USAGE
-    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    previous = signal.signal(signal.SIGTERM, raise_terminated)  # as Ctrl-C, exit 143
     started = time.perf_counter()
     # Hydra's own errors are raised to this function (not printed by Hydra) unless the user asked for
     # Hydra's full reports with HYDRA_FULL_ERROR.
@@ -121,12 +118,12 @@ def _main() -> int:
         if sweep is not None:
             _report_sweep(sweep, started)
         return EXIT_FAILED
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as interrupt:
         sweep = _close_open_sweep(interrupted=True)
         if sweep is not None:
             say("ember: sweep interrupted; its parent run is recorded as KILLED"
                 + (f": MLflow run {sweep.run_id} in {sweep.tracking_uri}" if sweep.run_id else ""))
-        return EXIT_INTERRUPTED
+        return EXIT_TERMINATED if isinstance(interrupt, Terminated) else EXIT_INTERRUPTED
     except SystemExit as exit_:
         # Hydra's own errors (bad override syntax, unknown group, ...) and launcher crashes (a joblib
         # worker died): Hydra has printed what happened; a sweep that was under way is closed FAILED.

@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ember.errors import ConfigError, ContextLengthError
+from ember.errors import ConfigError, ContextLengthError, did_you_mean
 from ember.records.store import MlflowSettings
 
 MISSING = "???"
@@ -381,12 +381,18 @@ def resolve_experiment_class(spec: ExperimentSpec, builtins: Mapping[str, Any]) 
     from ember.experiments import Experiment
 
     if spec.name is not None:
-        if spec.name not in builtins:
+        from ember.experiments.registry import ALIASES, experiment_names
+
+        name = spec.name if spec.name in builtins else ALIASES.get(spec.name, spec.name)
+        if name not in builtins:
+            known = [*builtins, *(alias for alias, real in ALIASES.items() if real in builtins)]
             raise ConfigError(
-                f"unknown experiment {spec.name!r} in experiments[{spec.index}]; built-in experiments: "
-                f"{', '.join(sorted(builtins))} (or give `_target_: package.module.Class`)"
+                f"unknown experiment {spec.name!r} in experiments[{spec.index}]"
+                f"{did_you_mean(spec.name, known)}; built-in experiments: "
+                f"{', '.join(experiment_names(dict(builtins)))}; or a class by its dotted path, "
+                "package.module.Class"
             )
-        cls = builtins[spec.name]
+        cls = builtins[name]
     else:
         module_name, _, class_name = str(spec.target).rpartition(".")
         try:
@@ -444,7 +450,8 @@ def _checked_params(spec: ExperimentSpec, cls: type, layer_count: int) -> dict[s
     for key in spec.params:
         if key not in accepted and not takes_any:
             known = ", ".join(accepted) or "none"
-            raise ConfigError(f"{spec.where} has no parameter {key!r}; its parameters: {known}")
+            raise ConfigError(f"{spec.where} has no parameter {key!r}{did_you_mean(key, accepted)}; its "
+                              f"parameters: {known}")
     for name, parameter in accepted.items():
         if parameter.default is inspect.Parameter.empty and name not in spec.params:
             raise ConfigError(f"{spec.where} needs parameter {name!r}{_layer_hint(name, layer_count)}")

@@ -98,7 +98,9 @@ def test_a_sigkilled_generate_keeps_its_text_and_the_next_command_closes_it(work
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_ctrl_c_or_sigterm_in_generate_closes_the_run_as_killed_with_the_text_shown(workdir, tmp_path, sig):
     experiment = f"t_generate_{signal.Signals(sig).name}"
-    out, err = stop_when_waiting(generate(workdir, tmp_path, experiment, 3), tmp_path, sig)
+    process = generate(workdir, tmp_path, experiment, 3)
+    out, err = stop_when_waiting(process, tmp_path, sig)
+    assert process.returncode == (143 if sig == signal.SIGTERM else 130), err  # 128 + the signal
     run = only_run(workdir, experiment)
     assert run.info.status == "KILLED"
     assert err.strip().splitlines()[-2:] == [

@@ -118,7 +118,11 @@ def build(*overrides: str, layer_count: int = 30):
         (["experiments=[{name:zero_layer_output,layer:[1,40]}]"], "layer[1]=40 is out of range"),
         (["experiments=[{name:nope}]"], "unknown experiment 'nope' in experiments[0]; built-in experiments: "
                                         "ablation, activation_patching, activation_stats, logit_lens, "
-                                        "steering, zero_layer_output"),
+                                        "steering, zero_layer (alias zero_layer_output)"),
+        (["experiments=[{name:zero_layr,layer:1}]"],
+         "unknown experiment 'zero_layr' in experiments[0] (did you mean zero_layer?)"),
+        (["experiments=[{name:zero_layer,layer:1,tagret:mlp}]"], "has no parameter 'tagret' (did you mean "
+                                                                 "target?)"),
         (["experiments=[{_target_:no_such_module.Thing}]"], "cannot import module 'no_such_module'"),
         (["experiments=[{_target_:ember.errors.ConfigError}]"], "is not an ember.experiments.Experiment"),
         (["experiments=[{name:activation_stats,phases:sometimes}]"], "'sometimes' is not one of"),

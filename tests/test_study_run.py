@@ -37,7 +37,10 @@ def main(*args: str) -> int:
     return runner.main([*args, "threads=1"])
 
 
-def test_a_prompt_set_is_evaluated_item_by_item(workdir, capsys):
+def test_a_prompt_set_is_evaluated_item_by_item(workdir, capsys, monkeypatch):
+    from ember.runs import study
+
+    monkeypatch.setattr(study, "PROGRESS_DELAY", 0.0)  # progress from the first item, however fast
     code = main("data=capitals", "data.limit=4", "max_new_tokens=3", "mlflow.experiment_name=t_study")
     assert code == 0
     [run] = runs_of(workdir, "t_study")

@@ -18,3 +18,15 @@ BUILTIN_EXPERIMENTS: dict[str, type[Experiment]] = {
     "ablation": Ablation,
     "steering": Steering,
 }
+
+# Names of the config's experiment/ group (conf/experiment/*.yaml) where they differ from a class's own
+# name: both front doors (`experiment=zero_layer`, `--experiment zero_layer:layer=3`) take either.
+ALIASES: dict[str, str] = {"zero_layer": "zero_layer_output"}
+
+
+def experiment_names(builtins: dict[str, type[Experiment]] | None = None) -> list[str]:
+    """The names to show a user: the config's where it has its own, e.g. `zero_layer (alias
+    zero_layer_output)`."""
+    builtins = BUILTIN_EXPERIMENTS if builtins is None else builtins
+    alias_of = {name: alias for alias, name in ALIASES.items()}
+    return sorted(f"{alias_of[name]} (alias {name})" if name in alias_of else name for name in builtins)

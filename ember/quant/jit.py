@@ -27,6 +27,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TextIO
 
 MADV_PAGEOUT = 21  # <linux/mman.h>, Linux 5.4
 _LIBRARY = "libllvmlite"
@@ -118,4 +119,41 @@ with numba_without_scipy_linalg():
 
     cpu_target.target_context.refresh()  # the CPU target's registries, scipy's probe among them
 
-__all__ = ["cgutils", "intrinsic", "njit", "prange", "release_compiler_pages", "types"]
+
+
+COMPILING = ("compiling ember's kernels for this machine (once: about 20 s, a minute or more on a busy "
+             "machine; later loads reuse the compiled code)")
+
+
+@contextmanager
+def announce_compilation(stream: TextIO | None = None) -> Iterator[None]:
+    """Say on stderr, once, that the kernels are compiling, and how long that took, when a kernel
+    called inside the block actually compiles (numba's cache is cold or stale); kernels loaded from the
+    cache say nothing. Plain lines, not a bar: a caller's spinner may be on screen (rich shows the lines
+    above it)."""
+    import time
+
+    from numba.core import event
+
+    started: list[float] = []
+
+    def say(text: str) -> None:
+        print(f"ember: {text}", file=stream or sys.stderr, flush=True)
+
+    class Listener(event.Listener):
+        def on_start(self, ev: event.Event) -> None:
+            if not started:
+                started.append(time.perf_counter())
+                say(f"{COMPILING} ...")
+
+        def on_end(self, ev: event.Event) -> None:
+            pass
+
+    with event.install_listener("numba:compile", Listener()):
+        yield
+    if started:
+        say(f"kernels compiled in {time.perf_counter() - started[0]:.0f} s")
+
+
+__all__ = ["announce_compilation", "cgutils", "intrinsic", "njit", "prange", "release_compiler_pages",
+           "types"]

@@ -238,7 +238,14 @@ class StackedMatrix:
 def warm_up() -> None:
     """Compile the kernels (or load them from numba's cache) with the argument types the engine uses:
     mapped file bytes (read-only uint8), float32 activations. A first load compiles for about a minute
-    on 2 cores; a cached load takes a fraction of a second."""
+    on 2 cores (said once on stderr while it happens); a cached load takes a fraction of a second."""
+    from ember.quant.jit import announce_compilation
+
+    with announce_compilation():
+        _warm_up()
+
+
+def _warm_up() -> None:
     q8_0 = kernels.Q8_0.type_id
     matrix = QuantizedMatrix("warm-up", np.zeros((1, 34), np.uint8), q8_0, (1, 32))  # a Q8_0 block
     x = np.zeros((2, 32), np.float32)

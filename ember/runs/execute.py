@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mlflow.exceptions import MlflowException
 from omegaconf import DictConfig, OmegaConf
 
 from ember.console import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, say
@@ -127,16 +126,17 @@ def _execute(cfg: DictConfig, job: JobInfo) -> JobOutcome:
         say(f"ember: {where}{error}")
         recorder.set_tags({"ember.error": detail})
         code = EXIT_USAGE
-    except MlflowException as error:
-        uri = recorder.store_uri or prepared.run.mlflow.tracking_uri
-        detail = describe_mlflow_error(error, uri or "the default store")
-        say(f"ember: {where}{detail}")
-    except Exception as error:  # a bug, not a user mistake: keep the traceback in the record
-        text = traceback.format_exc()
-        detail = f"internal error: {describe_error(error)}"
-        say(f"ember: {where}{detail}\n{text}")
-        recorder.set_tags({"ember.error": describe_error(error)})
-        recorder.log_text(text, "error.txt")
+    except Exception as error:
+        if _from_mlflow(error):
+            uri = recorder.store_uri or prepared.run.mlflow.tracking_uri
+            detail = describe_mlflow_error(error, uri or "the default store")
+            say(f"ember: {where}{detail}")
+        else:  # a bug, not a user mistake: keep the traceback in the record
+            text = traceback.format_exc()
+            detail = f"internal error: {describe_error(error)}"
+            say(f"ember: {where}{detail}\n{text}")
+            recorder.set_tags({"ember.error": describe_error(error)})
+            recorder.log_text(text, "error.txt")
     finally:
         try:
             # The whole job in this process, validation and loading included (a sweep's per-job cost).
@@ -153,6 +153,12 @@ def _execute(cfg: DictConfig, job: JobInfo) -> JobOutcome:
             if job.multirun and job.output_dir is not None:
                 write_job_status(job.output_dir, status, detail)
     return JobOutcome(code, value, searching=objective is not None)
+
+
+def _from_mlflow(error: BaseException) -> bool:
+    """An MlflowException, without importing MLflow (~130 MiB) where no record was made with it."""
+    exceptions = sys.modules.get("mlflow.exceptions")
+    return exceptions is not None and isinstance(error, exceptions.MlflowException)
 
 
 def _record_objective(objective: Objective, recorder: Record, where: str) -> tuple[int, str, float | None]:
@@ -294,7 +300,8 @@ def _run_study(prepared: Prepared, model: object, recorder: Record, job: JobInfo
     items done so far are recorded."""
     from ember.runs.study import Study
 
-    outcome = Study(prepared, model, recorder, say).run()
+    show = None if job.multirun else (lambda text: print(text, flush=True))
+    outcome = Study(prepared, model, recorder, say, show=show).run()
     for line in outcome.summary:
         say(f"ember: {where}{line}" if line is outcome.summary[0] else line)
     if outcome.failure is not None:
@@ -302,9 +309,7 @@ def _run_study(prepared: Prepared, model: object, recorder: Record, job: JobInfo
             f"{len(prepared.study.items)} items)")
         recorder.set_tags(failure_tags(failure_record(outcome.failure, None)))
         return EXIT_FAILED, str(outcome.failure)
-    if recorder.run_id is not None:
-        say(f"ember: recorded as MLflow run {recorder.run_id} in {recorder.store_uri}")
-    return EXIT_OK, ""
+    return EXIT_OK, ""  # `recorded as MLflow run ...` is said once, when the run is closed
 
 
 def _record_invalid_job(cfg: DictConfig, job: JobInfo, error: str) -> None:

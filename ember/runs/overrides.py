@@ -12,17 +12,24 @@ line.
 from __future__ import annotations
 
 import argparse
-import difflib
+import os
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ember.errors import ConfigError
+from ember.errors import ConfigError, did_you_mean
 from ember.runconfig import _MLFLOW_KEYS, _MODEL_KEYS, _SAMPLING_KEYS, _TOP_LEVEL_KEYS
 
 # Keys of ember's config whose children are known, for naming what a nested key could have been.
 KNOWN_CHILDREN = {"": _TOP_LEVEL_KEYS, "model": _MODEL_KEYS, "sampling": _SAMPLING_KEYS,
                   "mlflow": _MLFLOW_KEYS}
+# Hydra options that come from a plugin in ember's `cluster` extra (pyproject.toml): without it installed
+# Hydra knows no such option.
+CLUSTER_PLUGINS = {"hydra/sweeper=optuna": "hydra-optuna-sweeper",
+                   "hydra/launcher=ray": "hydra-ray-launcher",
+                   "hydra/launcher=submitit_local": "hydra-submitit-launcher",
+                   "hydra/launcher=submitit_slurm": "hydra-submitit-launcher"}
 QUOTING = "quote values with commas, brackets or spaces, e.g. \"prompt='Hi, there'\""
 
 
@@ -30,7 +37,9 @@ QUOTING = "quote values with commas, brackets or spaces, e.g. \"prompt='Hi, ther
 class CommandLine:
     overrides: tuple[str, ...]
     multirun: bool
-    composes: bool  # False for --help, --hydra-help, shell completion, another config dir or name
+    composes: bool  # False for --help, --hydra-help, shell completion, another primary config path
+    config_dir: str | None = None  # --config-dir: a folder added to the config search path
+    config_name: str | None = None  # --config-name: another primary config
 
 
 class _ArgumentError(Exception):
@@ -62,8 +71,9 @@ def read_command_line(argv: Sequence[str]) -> CommandLine:
         raise ConfigError(f"{' and '.join(modes)} do not go together: give one of --run, -m, --cfg, --info "
                           "(python -m ember.run --help shows the options)")
     composes = not (args.help or args.hydra_help or args.shell_completion or args.config_path
-                    or args.config_name or args.config_dir or args.experimental_rerun)
-    return CommandLine(tuple(args.overrides), bool(args.multirun), composes)
+                    or args.experimental_rerun)
+    return CommandLine(tuple(args.overrides), bool(args.multirun), composes, args.config_dir,
+                       args.config_name)
 
 
 def preflight(argv: Sequence[str], config_dir: str, config_name: str) -> set[str | None]:
@@ -80,9 +90,10 @@ def preflight(argv: Sequence[str], config_dir: str, config_name: str) -> set[str
             f"{first.input_line} gives several values: add -m to run one job per value (a sweep), "
             f"write {first.get_key_element()}=[...] for a list, or {QUOTING}"
         )
+    name = line.config_name or config_name
     stores: set[str | None] = set()
     for overrides in _compositions(parsed):
-        stores |= compose_check(overrides, config_dir, config_name)
+        stores |= compose_check(overrides, config_dir, name, line.config_dir)
     return stores
 
 
@@ -137,9 +148,11 @@ def _compositions(parsed: Sequence[Any]) -> list[list[str]]:
     return combos
 
 
-def compose_check(overrides: list[str], config_dir: str, config_name: str) -> set[str | None]:
+def compose_check(overrides: list[str], config_dir: str, config_name: str,
+                  extra_dir: str | None = None) -> set[str | None]:
     """Compose the config (with Hydra's own settings) as Hydra will; its errors as a ConfigError.
-    Returns the tracking URI the job records to ({None} for the default, {} when it records nothing)."""
+    `extra_dir` is Hydra's --config-dir, searched after `config_dir`. Returns the tracking URI the job
+    records to ({None} for the default, {} when it records nothing)."""
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf import OmegaConf
@@ -147,7 +160,8 @@ def compose_check(overrides: list[str], config_dir: str, config_name: str) -> se
 
     try:
         with initialize_config_dir(config_dir=config_dir, version_base="1.3", job_name="ember"):
-            cfg = compose(config_name, overrides=overrides, return_hydra_config=True)
+            searched = [] if extra_dir is None else [f"hydra.searchpath=[file://{os.path.abspath(extra_dir)}]"]
+            cfg = compose(config_name, overrides=[*searched, *overrides], return_hydra_config=True)
             with_hydra = OmegaConf.to_container(cfg, resolve=False)
             assert isinstance(with_hydra, dict)
             with_hydra.pop("hydra", None)
@@ -186,8 +200,7 @@ def _not_an_option(overrides: Sequence[str], config_dir: str) -> str | None:
 
 
 def _suggest(word: str, choices: Iterable[str]) -> str:
-    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
-    return f" (did you mean {close[0]}?)" if close else ""
+    return did_you_mean(word, choices)
 
 
 def describe_hydra_error(error: BaseException, overrides: Sequence[str] = ()) -> str:
@@ -201,10 +214,18 @@ def describe_hydra_error(error: BaseException, overrides: Sequence[str] = ()) ->
         allowed = f"{group} takes one of: {', '.join(options)}"
         if not option:
             return f"{group}= needs an option: {allowed}"
+        plugin = CLUSTER_PLUGINS.get(f"{group}={option}")
+        if plugin is not None:
+            return (f"{group}={option}: not installed ({plugin} comes with ember's cluster extra: "
+                    f"pip install -e '.[cluster]'); {allowed}")
         return f"{group}={option}: no such option{_suggest(option, options)}; {allowed}"
     if isinstance(error, OverrideParseException):
-        culprit = next((o for o in overrides if o.split("=", 1)[0] in text), None)
-        return describe_parse_error(culprit or text.splitlines()[0], error)
+        try:  # each override on its own: the one that fails is named
+            parse_overrides(read_command_line(overrides).overrides)
+        except ConfigError as named:
+            return str(named)
+        detail = text.splitlines()[0] if text else type(error).__name__
+        return f"cannot read the overrides ({detail}); overrides are key=value, {QUOTING}"
     if text.startswith("Ambiguous value for argument"):
         argument = text.split("'", 2)[1] if "'" in text else "?"
         key = argument.split("=", 1)[0]
@@ -236,12 +257,24 @@ def describe_hydra_error(error: BaseException, overrides: Sequence[str] = ()) ->
     return first
 
 
+def experiment_parameters() -> set[str]:
+    """Every parameter name of the built-in experiments, for suggesting what a misspelt one meant."""
+    import inspect
+
+    from ember.experiments import BUILTIN_EXPERIMENTS
+
+    return {name for cls in BUILTIN_EXPERIMENTS.values() for name in inspect.signature(cls).parameters}
+
+
 def unknown_key(key: str) -> str:
     parent, _, leaf = key.rpartition(".")
     if parent.startswith("hydra") or key.startswith("hydra"):
         return (f"unknown Hydra setting {key!r}; python -m ember.run --cfg hydra shows Hydra's settings "
                 f"(add a new one with +{key}=...)")
     known = KNOWN_CHILDREN.get(parent)
+    if known is None and re.fullmatch(r"experiments(\[\d+\]|\.\d+)", parent):
+        return (f"unknown config key {key!r}{_suggest(leaf, experiment_parameters())}; an experiment takes "
+                "its class's parameters (python -m ember.run --cfg job shows the config)")
     if known is None:
         return f"unknown config key {key!r}; python -m ember.run --cfg job shows the config"
     where = "known keys" if not parent else f"{parent} takes"

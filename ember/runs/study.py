@@ -45,6 +45,7 @@ RESULTS_PAGE = "results.html"
 DATASET_CONTEXT = "study"
 
 # Timings of one study: model evaluations, experiment code between them, and everything else.
+PROGRESS_DELAY = 3.0  # seconds a study's items take before their progress is shown
 _TIMING_METRICS = ("engine_seconds", "experiment_seconds", "runner_seconds", "total_seconds")
 
 
@@ -73,8 +74,9 @@ class Study:
     """One study job: `run()` evaluates, aggregates and records; the caller closes the run."""
 
     def __init__(self, prepared: Any, model: Any, recorder: Any, say: Callable[[str], None],
-                 progress: bool = True) -> None:
+                 progress: bool = True, show: Callable[[str], None] | None = None) -> None:
         self.prepared = prepared
+        self.show = show  # each item's prompt and generated text, when the runner generates
         self.plan = prepared.study
         self.model = model
         self.recorder = recorder
@@ -99,11 +101,13 @@ class Study:
             for experiment in [*([plan.driver] if plan.driver is not None else []), *plan.shared]:
                 prepare = getattr(experiment, "prepare_study", None)
                 if callable(prepare):
-                    with Progress(f"preparing {experiment.name} over {len(plan.items)} items",
-                                  total=len(plan.items), enabled=self.progress):
+                    with Progress.status(f"preparing {experiment.name} over {len(plan.items)} items",
+                                         enabled=self.progress, delay=PROGRESS_DELAY):
                         self._drive(experiment, prepare(plan.items))
             label = f"{plan.prompt_set.name}: {len(plan.items)} items"
-            with Progress(label, total=len(plan.items), enabled=self.progress) as advance:
+            # Shown only once the items have taken PROGRESS_DELAY seconds: a quick study prints its summary.
+            with Progress(label, total=len(plan.items), enabled=self.progress,
+                          delay=PROGRESS_DELAY) as advance:
                 for item in plan.items:
                     if plan.driver is not None:
                         result = _prefixed(self._drive(plan.driver, plan.driver.evaluate_item(item)),
@@ -152,7 +156,10 @@ class Study:
             list(item.token_ids), max_new_tokens=run.max_new_tokens, temperature=run.sampling.temperature,
             top_k=run.sampling.top_k, top_p=run.sampling.top_p, min_p=run.sampling.min_p,
             seed=run.sampling.seed, experiments=[*attached, logits_seen], stop_at_eog=run.stop_at_eog))
-        result = ItemResult(row={"generated": generation.text})
+        result = ItemResult(row={"generated": generation.text},
+                            values={"tokens.generated": float(len(generation.token_ids))})
+        if self.show is not None:
+            self.show(f"{item.text}{generation.text}")
         for experiment in fresh:
             _add_metrics(result, experiment.name, generation.experiment_results[experiment.name].metrics)
         first = logits_seen.rows[0]
@@ -181,6 +188,8 @@ class Study:
         elif item.answer_ids:
             result.key = ("answer.prob", "answer.correct") + (
                 ("answer.logit_diff",) if item.wrong_answer_ids else ())
+        if not result.key:  # plain generation over a prompt set: what each item generated
+            result.key = ("tokens.generated",)
         return result
 
     def _collect(self, item: StudyItem, result: ItemResult | None) -> None:
