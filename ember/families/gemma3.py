@@ -223,69 +223,88 @@ class Gemma3Forward:
         ([1, V], a workspace view) or of every row ([T, V], new) when all_logits."""
         c, w = self.config, self.weights
         T = len(token_ids)
-        hd, n_head, n_kv, eps = c.head_dim, c.head_count, c.head_count_kv, c.rms_norm_eps
-        q_width, kv_width = n_head * hd, n_kv * hd
-        positions = slice(start_position, start_position + T)
         hooks.begin_evaluation(phase, start_position, T)
 
-        hidden = ws.hidden
-        gather_rows(w.token_embd, token_ids, hidden)
-        hidden *= np.float32(c.embedding_scale)
+        h = ws.hidden
+        self.embed(token_ids, h)
         for i, layer in enumerate(w.layers):
-            hooks.before_layer(i, hidden)
-
-            x = rms_norm(hidden, layer.attn_norm, eps, ws.normed, ws.row_scratch)
-            linear(x, layer.qkv, ws.qkv)
-            q = ws.qkv[:, :q_width].reshape(T, n_head, hd)
-            k = ws.qkv[:, q_width:q_width + kv_width].reshape(T, n_kv, hd)
-            v = ws.qkv[:, q_width + kv_width:].reshape(T, n_kv, hd)
-            k_spread = ws.head_spread[:, :n_kv] if ws.head_spread is not None else None
-            rms_norm(q, layer.q_norm, eps, q, ws.head_scratch, ws.head_spread)
-            rms_norm(k, layer.k_norm, eps, k, ws.head_scratch[:, :n_kv], k_spread)
-            cos_table, sin_table = self.layer_rope[i]
-            cos, sin = cos_table[positions], sin_table[positions]
-            k_scratch = ws.rope_scratch[:, :, :n_kv] if ws.rope_scratch is not None else None
-            apply_rope(q, cos, sin, c.rope_layout, c.rope_dim, ws.rope_a, ws.rope_b, ws.rope_scratch)
-            apply_rope(k, cos, sin, c.rope_layout, c.rope_dim, ws.rope_a[:, :n_kv], ws.rope_b[:, :n_kv],
-                       k_scratch)
-            keys, values, key_positions = cache.store(i, start_position, k, v)
-            window = self.layer_window[i]
-            if window and T > 1:
-                # sliding layer, a batch: each query chunk against the keys its window reaches
-                sliding_prefill_attention(q, keys, values, key_positions, start_position, window,
-                                          c.attention_scale, ws.attention_heads)
-            else:
-                # full layer: the keys are positions 0…end−1 in order, no window (attention skips each
-                # prefill chunk's future keys); sliding layer, one row: the ring holds exactly the
-                # visible window, so nothing is masked
-                attention(q, keys, values, start_position=start_position, scale=c.attention_scale,
-                          out=ws.attention_heads, score_buffer=ws.score_buffer, row_scratch=ws.score_scratch,
-                          spread_buffer=ws.score_spread)
-            linear(ws.attention_heads, layer.attn_output, ws.attention_output)
-            attention_output = rms_norm(ws.attention_output, layer.post_attention_norm, eps,
-                                        ws.attention_output, ws.row_scratch)
-            hooks.after_attention(i, attention_output)
-            hidden += attention_output
-
-            y = rms_norm(hidden, layer.ffn_norm, eps, ws.normed, ws.row_scratch)
-            linear(y, layer.gate_up, ws.gate_up)
-            gate = ws.gate_up[:, :c.feed_forward_length]
-            up = ws.gate_up[:, c.feed_forward_length:]
-            gelu_tanh_inplace(gate, ws.mlp_scratch)
-            gate *= up
-            linear(gate, layer.ffn_down, ws.mlp_output)
-            mlp_output = rms_norm(ws.mlp_output, layer.post_ffw_norm, eps, ws.mlp_output, ws.row_scratch)
-            hooks.after_mlp(i, mlp_output)
-            hidden += mlp_output
-            hooks.after_layer(i, hidden)
+            hooks.before_layer(i, h)
+            x = self.norm(h, layer.attn_norm, ws)
+            o = self.attention(i, layer, x, start_position, cache, ws)
+            a = self.post_norm(o, layer.post_attention_norm, ws)
+            hooks.after_attention(i, a)
+            h += a
+            y = self.norm(h, layer.ffn_norm, ws)
+            m = self.post_norm(self.mlp(layer, y, ws), layer.post_ffw_norm, ws)
+            hooks.after_mlp(i, m)
+            h += m
+            hooks.after_layer(i, h)
 
         cache.length = start_position + T
-        return final_norm_and_logits(hidden, w.output_norm, eps, ws, hooks, self.lm_head, c.vocab_size,
+        return final_norm_and_logits(h, w.output_norm, c.rms_norm_eps, ws, hooks, self.lm_head, c.vocab_size,
                                      all_logits)
 
-    def lm_head(self, normed: np.ndarray, out: np.ndarray) -> np.ndarray:
-        """out = normed Eᵀ, soft-capped when the model has a final logit softcap."""
-        linear(normed, self.weights.output, out)
+    def embed(self, token_ids: np.ndarray, out: np.ndarray) -> None:
+        """out = E[t] · √H, decoding only the rows of these tokens."""
+        gather_rows(self.weights.token_embd, token_ids, out)
+        out *= np.float32(self.config.embedding_scale)
+
+    def norm(self, h: np.ndarray, weight: np.ndarray, ws: Workspace) -> np.ndarray:
+        """RMSNorm(h, weight) into ws.normed."""
+        return rms_norm(h, weight, self.config.rms_norm_eps, ws.normed, ws.row_scratch)
+
+    def post_norm(self, o: np.ndarray, weight: np.ndarray, ws: Workspace) -> np.ndarray:
+        """RMSNorm(o, weight) in place (the sandwich norm after attention and MLP)."""
+        return rms_norm(o, weight, self.config.rms_norm_eps, o, ws.row_scratch)
+
+    def attention(self, i: int, layer: LayerWeights, x: np.ndarray, start_position: int,
+                  cache: LayeredKVCache, ws: Workspace) -> np.ndarray:
+        """o = attention(q, k, v) Woᵀ, q, k, v = x Wqᵀ, x Wkᵀ, x Wvᵀ with q, k RMSNorm-ed per head then
+        rotated with layer i's rope; k, v go to layer i's cache. Returns ws.attention_output."""
+        c = self.config
+        T, hd, n_head, n_kv, eps = len(x), c.head_dim, c.head_count, c.head_count_kv, c.rms_norm_eps
+        q_width, kv_width = n_head * hd, n_kv * hd
+        linear(x, layer.qkv, ws.qkv)
+        q = ws.qkv[:, :q_width].reshape(T, n_head, hd)
+        k = ws.qkv[:, q_width:q_width + kv_width].reshape(T, n_kv, hd)
+        v = ws.qkv[:, q_width + kv_width:].reshape(T, n_kv, hd)
+        k_spread = ws.head_spread[:, :n_kv] if ws.head_spread is not None else None
+        rms_norm(q, layer.q_norm, eps, q, ws.head_scratch, ws.head_spread)
+        rms_norm(k, layer.k_norm, eps, k, ws.head_scratch[:, :n_kv], k_spread)
+        positions = slice(start_position, start_position + T)
+        cos_table, sin_table = self.layer_rope[i]
+        cos, sin = cos_table[positions], sin_table[positions]
+        k_scratch = ws.rope_scratch[:, :, :n_kv] if ws.rope_scratch is not None else None
+        apply_rope(q, cos, sin, c.rope_layout, c.rope_dim, ws.rope_a, ws.rope_b, ws.rope_scratch)
+        apply_rope(k, cos, sin, c.rope_layout, c.rope_dim, ws.rope_a[:, :n_kv], ws.rope_b[:, :n_kv],
+                   k_scratch)
+        keys, values, key_positions = cache.store(i, start_position, k, v)
+        window = self.layer_window[i]
+        if window and T > 1:
+            # sliding layer, a batch: each query chunk against the keys its window reaches
+            sliding_prefill_attention(q, keys, values, key_positions, start_position, window,
+                                      c.attention_scale, ws.attention_heads)
+        else:
+            # full layer: the keys are positions 0…end−1 in order, no window (attention skips each
+            # prefill chunk's future keys); sliding layer, one row: the ring holds exactly the
+            # visible window, so nothing is masked
+            attention(q, keys, values, start_position=start_position, scale=c.attention_scale,
+                      out=ws.attention_heads, score_buffer=ws.score_buffer, row_scratch=ws.score_scratch,
+                      spread_buffer=ws.score_spread)
+        return linear(ws.attention_heads, layer.attn_output, ws.attention_output)
+
+    def mlp(self, layer: LayerWeights, y: np.ndarray, ws: Workspace) -> np.ndarray:
+        """(gelu_tanh(y Wgᵀ) ⊙ y Wuᵀ) Wdᵀ. Returns ws.mlp_output."""
+        F = self.config.feed_forward_length
+        linear(y, layer.gate_up, ws.gate_up)
+        gate, up = ws.gate_up[:, :F], ws.gate_up[:, F:]
+        gelu_tanh_inplace(gate, ws.mlp_scratch)
+        gate *= up
+        return linear(gate, layer.ffn_down, ws.mlp_output)
+
+    def lm_head(self, z: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """logits = z Eᵀ, soft-capped when the model has a final logit softcap."""
+        linear(z, self.weights.output, out)
         cap = self.config.final_logit_softcap
         if cap:
             out *= 1.0 / cap

@@ -416,85 +416,106 @@ class Gemma4Forward:
         ([1, V], a workspace view) or of every row ([T, V], new) when all_logits."""
         c, w = self.config, self.weights
         T = len(token_ids)
-        eps, n_head = c.rms_norm_eps, c.head_count
         hooks.begin_evaluation(phase, start_position, T)
 
-        hidden = ws.hidden
-        self.embed(token_ids, hidden)
-        ple = self.per_layer_inputs(token_ids, hidden, ws) if c.per_layer_input_dim else None
+        h = ws.hidden
+        self.embed(token_ids, h)
+        ple = self.per_layer_inputs(token_ids, h, ws) if c.per_layer_input_dim else None
         self.rope(start_position, T, ws)
         shared_kv: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
-
         for i, layer in enumerate(w.layers):
-            hooks.before_layer(i, hidden)
-            sliding = c.sliding[i]
-            hd, n_kv, F = c.layer_head_dims[i], c.layer_kv_heads[i], c.layer_ffn_lengths[i]
-            q_width, kv_width = n_head * hd, n_kv * hd
-            if sliding:
-                rope_dim, cos, sin = c.rope_dim_swa, ws.cos_swa[:T], ws.sin_swa[:T]
-            else:
-                rope_dim, cos, sin = c.rope_dim, ws.cos_full[:T], ws.sin_full[:T]
-            rope_scratch = [ws.view(buffer, T, n_head, rope_dim // 2)
-                            for buffer in (ws.rope_a, ws.rope_b)]
-
-            # attention
-            x = rms_norm(hidden, layer.attn_norm, eps, ws.normed, ws.row_scratch)
-            projected = linear(x, layer.projection, ws.view(ws.projection, T, layer.projection.shape[0]))
-            q = projected[:, :q_width].reshape(T, n_head, hd)
-            rms_norm(q, layer.q_norm, eps, q, ws.head_scratch[:T, :n_head])
-            apply_rope(q, cos, sin, RopeLayout.NEOX, rope_dim, *rope_scratch)
-            if c.owns_kv(i):
-                k = projected[:, q_width:q_width + kv_width].reshape(T, n_kv, hd)
-                if layer.has_v:
-                    v = projected[:, q_width + kv_width:].reshape(T, n_kv, hd)
-                else:  # attention_k_eq_v: V is the raw K projection, taken before k_norm
-                    v = ws.view(ws.values, T, n_kv, hd)
-                    v[...] = k
-                rms_norm(k, layer.k_norm, eps, k, ws.head_scratch[:T, :n_kv])
-                rms_norm(v, None, eps, v, ws.head_scratch[:T, :n_kv])
-                apply_rope(k, cos, sin, RopeLayout.NEOX, rope_dim, *(s[:, :n_kv] for s in rope_scratch))
-                shared_kv[i] = cache.store(i, start_position, k, v)
-            keys, values, key_positions = shared_kv[c.kv_source[i]]
-            heads = ws.view(ws.heads, T, q_width)
-            row_scratch = ws.score_scratch.reshape(n_kv, n_head // n_kv, 1) if T == 1 else None
-            attention(q, keys, values, start_position=start_position, scale=1.0, out=heads,
-                      score_buffer=ws.score_buffer, row_scratch=row_scratch, key_positions=key_positions,
-                      sliding_window=c.sliding_window if sliding else 0)
-            attention_output = linear(heads, layer.attn_output, ws.attention_output)
-            rms_norm(attention_output, layer.post_attention_norm, eps, attention_output, ws.row_scratch)
-            hooks.after_attention(i, attention_output)
-            hidden += attention_output
-
-            # feed-forward
-            y = rms_norm(hidden, layer.ffn_norm, eps, ws.normed, ws.row_scratch)
-            gate_up = linear(y, layer.gate_up, ws.view(ws.gate_up, T, 2 * F))
-            gate, up = gate_up[:, :F], gate_up[:, F:]
-            gelu_tanh_inplace(gate, ws.view(ws.mlp_scratch, T, F))
-            gate *= up
-            mlp_output = linear(gate, layer.ffn_down, ws.mlp_output)
-            rms_norm(mlp_output, layer.post_ffw_norm, eps, mlp_output, ws.row_scratch)
-            hooks.after_mlp(i, mlp_output)
-            hidden += mlp_output
-
-            # per-layer embedding, then the layer scalar
+            hooks.before_layer(i, h)
+            x = self.norm(h, layer.attn_norm, ws)
+            o = self.attention(i, layer, x, start_position, cache, shared_kv, ws)
+            a = self.post_norm(o, layer.post_attention_norm, ws)
+            hooks.after_attention(i, a)
+            h += a
+            y = self.norm(h, layer.ffn_norm, ws)
+            m = self.post_norm(self.mlp(i, layer, y, ws), layer.post_ffw_norm, ws)
+            hooks.after_mlp(i, m)
+            h += m
             if ple is not None:
-                g = linear(hidden, layer.ple_gate, ws.ple_gate[:T])
-                gelu_tanh_inplace(g, ws.ple_scratch[:T])
-                g *= ple[:, i, :]
-                r = linear(g, layer.ple_proj, ws.ple_output)
-                rms_norm(r, layer.ple_post_norm, eps, r, ws.row_scratch)
-                hidden += r
+                h += self.post_norm(self.per_layer_embedding(i, layer, h, ple, ws), layer.ple_post_norm, ws)
             if layer.output_scale != 1.0:
-                hidden *= np.float32(layer.output_scale)
-            hooks.after_layer(i, hidden)
+                h *= np.float32(layer.output_scale)
+            hooks.after_layer(i, h)
 
         cache.length = start_position + T
-        return final_norm_and_logits(hidden, w.output_norm, eps, ws, hooks, self.logits, c.vocab_size,
+        return final_norm_and_logits(h, w.output_norm, c.rms_norm_eps, ws, hooks, self.lm_head, c.vocab_size,
                                      all_logits)
 
-    def logits(self, normed: np.ndarray, out: np.ndarray) -> np.ndarray:
-        """The (normally tied) LM head, then the final softcap c·tanh(x/c)."""
-        linear(normed, self.weights.output, out)
+    # -- the steps of a layer ----------------------------------------------------------------
+
+    def norm(self, h: np.ndarray, weight: np.ndarray, ws: Workspace) -> np.ndarray:
+        """RMSNorm(h, weight) into ws.normed."""
+        return rms_norm(h, weight, self.config.rms_norm_eps, ws.normed, ws.row_scratch)
+
+    def post_norm(self, o: np.ndarray, weight: np.ndarray, ws: Workspace) -> np.ndarray:
+        """RMSNorm(o, weight) in place (after attention, MLP and the PLE term)."""
+        return rms_norm(o, weight, self.config.rms_norm_eps, o, ws.row_scratch)
+
+    def attention(self, i: int, layer: LayerWeights, x: np.ndarray, start_position: int,
+                  cache: LayeredKVCache, shared_kv: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]],
+                  ws: Workspace) -> np.ndarray:
+        """o = attention(q, k, v) Woᵀ with layer i's geometry and rope: q = rope(RMSNorm(x Wqᵀ)) per head;
+        a layer that owns K/V forms k = rope(RMSNorm(x Wkᵀ)), v = RMSNorm(x Wvᵀ or the raw k), stores them
+        and keeps them in `shared_kv` for the layers sharing them; a shared layer reads its source's.
+        Returns ws.attention_output."""
+        c = self.config
+        T, n_head, eps = len(x), c.head_count, c.rms_norm_eps
+        sliding = c.sliding[i]
+        hd, n_kv = c.layer_head_dims[i], c.layer_kv_heads[i]
+        q_width, kv_width = n_head * hd, n_kv * hd
+        if sliding:
+            rope_dim, cos, sin = c.rope_dim_swa, ws.cos_swa[:T], ws.sin_swa[:T]
+        else:
+            rope_dim, cos, sin = c.rope_dim, ws.cos_full[:T], ws.sin_full[:T]
+        rope_scratch = [ws.view(buffer, T, n_head, rope_dim // 2) for buffer in (ws.rope_a, ws.rope_b)]
+
+        projected = linear(x, layer.projection, ws.view(ws.projection, T, layer.projection.shape[0]))
+        q = projected[:, :q_width].reshape(T, n_head, hd)
+        rms_norm(q, layer.q_norm, eps, q, ws.head_scratch[:T, :n_head])
+        apply_rope(q, cos, sin, RopeLayout.NEOX, rope_dim, *rope_scratch)
+        if c.owns_kv(i):
+            k = projected[:, q_width:q_width + kv_width].reshape(T, n_kv, hd)
+            if layer.has_v:
+                v = projected[:, q_width + kv_width:].reshape(T, n_kv, hd)
+            else:  # attention_k_eq_v: V is the raw K projection, taken before k_norm
+                v = ws.view(ws.values, T, n_kv, hd)
+                v[...] = k
+            rms_norm(k, layer.k_norm, eps, k, ws.head_scratch[:T, :n_kv])
+            rms_norm(v, None, eps, v, ws.head_scratch[:T, :n_kv])
+            apply_rope(k, cos, sin, RopeLayout.NEOX, rope_dim, *(s[:, :n_kv] for s in rope_scratch))
+            shared_kv[i] = cache.store(i, start_position, k, v)
+        keys, values, key_positions = shared_kv[c.kv_source[i]]
+        heads = ws.view(ws.heads, T, q_width)
+        row_scratch = ws.score_scratch.reshape(n_kv, n_head // n_kv, 1) if T == 1 else None
+        attention(q, keys, values, start_position=start_position, scale=1.0, out=heads,
+                  score_buffer=ws.score_buffer, row_scratch=row_scratch, key_positions=key_positions,
+                  sliding_window=c.sliding_window if sliding else 0)
+        return linear(heads, layer.attn_output, ws.attention_output)
+
+    def mlp(self, i: int, layer: LayerWeights, y: np.ndarray, ws: Workspace) -> np.ndarray:
+        """(gelu_tanh(y Wgᵀ) ⊙ y Wuᵀ) Wdᵀ with layer i's FFN width. Returns ws.mlp_output."""
+        T, F = len(y), self.config.layer_ffn_lengths[i]
+        gate_up = linear(y, layer.gate_up, ws.view(ws.gate_up, T, 2 * F))
+        gate, up = gate_up[:, :F], gate_up[:, F:]
+        gelu_tanh_inplace(gate, ws.view(ws.mlp_scratch, T, F))
+        gate *= up
+        return linear(gate, layer.ffn_down, ws.mlp_output)
+
+    def per_layer_embedding(self, i: int, layer: LayerWeights, h: np.ndarray, ple: np.ndarray,
+                            ws: Workspace) -> np.ndarray:
+        """(gelu_tanh(h Wgateᵀ) ⊙ ple[:, i]) Wprojᵀ, before its post norm. Returns ws.ple_output."""
+        T = len(h)
+        g = linear(h, layer.ple_gate, ws.ple_gate[:T])
+        gelu_tanh_inplace(g, ws.ple_scratch[:T])
+        g *= ple[:, i, :]
+        return linear(g, layer.ple_proj, ws.ple_output)
+
+    def lm_head(self, z: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """logits = c·tanh((z Eᵀ)/c): the (normally tied) LM head, then the final softcap."""
+        linear(z, self.weights.output, out)
         cap = self.config.final_logit_softcap
         if cap:
             out *= np.float32(1.0 / cap)
@@ -504,7 +525,7 @@ class Gemma4Forward:
 
     def readout(self, hidden_rows: np.ndarray, out: np.ndarray) -> np.ndarray:
         """Final norm + LM head + softcap over any residual rows (contract v0.2 readout)."""
-        return readout_logits(hidden_rows, self.weights.output_norm, self.config.rms_norm_eps, self.logits,
+        return readout_logits(hidden_rows, self.weights.output_norm, self.config.rms_norm_eps, self.lm_head,
                               out)
 
 

@@ -194,56 +194,69 @@ class LlamaForward:
         ([1, V], a workspace view) or of every row ([T, V], new) when all_logits."""
         c, w = self.config, self.weights
         T = len(token_ids)
-        hd, n_head, n_kv = c.head_dim, c.head_count, c.head_count_kv
-        q_width, kv_width = n_head * hd, n_kv * hd
-        positions = slice(start_position, start_position + T)
-        key_count = start_position + T
         hooks.begin_evaluation(phase, start_position, T)
 
-        hidden = ws.hidden
-        self.embed(token_ids, hidden)
+        h = ws.hidden
+        self.embed(token_ids, h)
         for i, layer in enumerate(w.layers):
-            hooks.before_layer(i, hidden)
+            hooks.before_layer(i, h)
+            x = self.norm(h, layer.attn_norm, ws)
+            a = self.attention(i, layer, x, start_position, cache, ws)
+            hooks.after_attention(i, a)
+            h += a
+            y = self.norm(h, layer.ffn_norm, ws)
+            m = self.mlp(layer, y, ws)
+            hooks.after_mlp(i, m)
+            h += m
+            hooks.after_layer(i, h)
 
-            x = rms_norm(hidden, layer.attn_norm, c.rms_norm_eps, ws.normed, ws.row_scratch)
-            linear(x, layer.qkv, ws.qkv)
-            q = ws.qkv[:, :q_width].reshape(T, n_head, hd)
-            k = ws.qkv[:, q_width:q_width + kv_width].reshape(T, n_kv, hd)
-            v = ws.qkv[:, q_width + kv_width:].reshape(T, n_kv, hd)
-            if c.has_qk_norm:
-                k_spread = ws.head_spread[:, :n_kv] if ws.head_spread is not None else None
-                rms_norm(q, layer.q_norm, c.rms_norm_eps, q, ws.head_scratch, ws.head_spread)
-                rms_norm(k, layer.k_norm, c.rms_norm_eps, k, ws.head_scratch[:, :n_kv], k_spread)
-            cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-            k_scratch = ws.rope_scratch[:, :, :n_kv] if ws.rope_scratch is not None else None
-            apply_rope(q, cos, sin, c.rope_layout, c.rope_dim, ws.rope_a, ws.rope_b, ws.rope_scratch)
-            apply_rope(k, cos, sin, c.rope_layout, c.rope_dim, ws.rope_a[:, :n_kv], ws.rope_b[:, :n_kv],
-                       k_scratch)
-            keys, values = cache.store(i, start_position, k, v)
-            attention(q, keys, values, start_position=start_position, scale=self.scale,
-                      out=ws.attention_heads, score_buffer=ws.score_buffer, row_scratch=ws.score_scratch,
-                      spread_buffer=ws.score_spread)
-            attention_output = linear(ws.attention_heads, layer.attn_output, ws.attention_output)
-            hooks.after_attention(i, attention_output)
-            hidden += attention_output
-
-            y = rms_norm(hidden, layer.ffn_norm, c.rms_norm_eps, ws.normed, ws.row_scratch)
-            linear(y, layer.gate_up, ws.gate_up)
-            gate = ws.gate_up[:, :c.feed_forward_length]
-            up = ws.gate_up[:, c.feed_forward_length:]
-            silu_inplace(gate, ws.mlp_scratch)
-            gate *= up
-            mlp_output = linear(gate, layer.ffn_down, ws.mlp_output)
-            hooks.after_mlp(i, mlp_output)
-            hidden += mlp_output
-            hooks.after_layer(i, hidden)
-
-        cache.length = key_count
-        return final_norm_and_logits(hidden, w.output_norm, c.rms_norm_eps, ws, hooks, self.lm_head,
+        cache.length = start_position + T
+        return final_norm_and_logits(h, w.output_norm, c.rms_norm_eps, ws, hooks, self.lm_head,
                                      c.vocab_size, all_logits)
 
-    def lm_head(self, normed: np.ndarray, out: np.ndarray) -> np.ndarray:
-        return linear(normed, self.weights.output, out)
+    def norm(self, h: np.ndarray, weight: np.ndarray, ws: Workspace) -> np.ndarray:
+        """RMSNorm(h, weight) into ws.normed."""
+        return rms_norm(h, weight, self.config.rms_norm_eps, ws.normed, ws.row_scratch)
+
+    def attention(self, i: int, layer: LayerWeights, x: np.ndarray, start_position: int, cache: KVCache,
+                  ws: Workspace) -> np.ndarray:
+        """a = attention(rope(q), rope(k), v) Woᵀ with q, k, v = x Wqᵀ, x Wkᵀ, x Wvᵀ (qwen3: q, k
+        RMSNorm-ed per head before rope); k, v go to layer i's cache. Returns ws.attention_output."""
+        c = self.config
+        T, hd, n_head, n_kv = len(x), c.head_dim, c.head_count, c.head_count_kv
+        q_width, kv_width = n_head * hd, n_kv * hd
+        linear(x, layer.qkv, ws.qkv)
+        q = ws.qkv[:, :q_width].reshape(T, n_head, hd)
+        k = ws.qkv[:, q_width:q_width + kv_width].reshape(T, n_kv, hd)
+        v = ws.qkv[:, q_width + kv_width:].reshape(T, n_kv, hd)
+        if c.has_qk_norm:
+            k_spread = ws.head_spread[:, :n_kv] if ws.head_spread is not None else None
+            rms_norm(q, layer.q_norm, c.rms_norm_eps, q, ws.head_scratch, ws.head_spread)
+            rms_norm(k, layer.k_norm, c.rms_norm_eps, k, ws.head_scratch[:, :n_kv], k_spread)
+        positions = slice(start_position, start_position + T)
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        k_scratch = ws.rope_scratch[:, :, :n_kv] if ws.rope_scratch is not None else None
+        apply_rope(q, cos, sin, c.rope_layout, c.rope_dim, ws.rope_a, ws.rope_b, ws.rope_scratch)
+        apply_rope(k, cos, sin, c.rope_layout, c.rope_dim, ws.rope_a[:, :n_kv], ws.rope_b[:, :n_kv],
+                   k_scratch)
+        keys, values = cache.store(i, start_position, k, v)
+        attention(q, keys, values, start_position=start_position, scale=self.scale,
+                  out=ws.attention_heads, score_buffer=ws.score_buffer, row_scratch=ws.score_scratch,
+                  spread_buffer=ws.score_spread)
+        return linear(ws.attention_heads, layer.attn_output, ws.attention_output)
+
+    def mlp(self, layer: LayerWeights, y: np.ndarray, ws: Workspace) -> np.ndarray:
+        """m = (silu(y Wgᵀ) ⊙ y Wuᵀ) Wdᵀ. Returns ws.mlp_output."""
+        F = self.config.feed_forward_length
+        linear(y, layer.gate_up, ws.gate_up)
+        gate, up = ws.gate_up[:, :F], ws.gate_up[:, F:]
+        silu_inplace(gate, ws.mlp_scratch)
+        gate *= up
+        return linear(gate, layer.ffn_down, ws.mlp_output)
+
+    def lm_head(self, z: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """logits = z Woutᵀ (or z Eᵀ when tied)."""
+        return linear(z, self.weights.output, out)
 
     def readout(self, hidden_rows: np.ndarray, out: np.ndarray) -> np.ndarray:
         """Final norm + LM head over any residual rows (contract v0.2 readout; reads weights only)."""
