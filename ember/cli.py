@@ -48,9 +48,11 @@ SUBCOMMAND_SURFACE = {"extract": "extract", "probe": "probe", "interactive": "in
 # ------------------------------------------------------------------------------------ arguments
 
 
-def _common() -> argparse.ArgumentParser:
+def _common(records: bool = True) -> argparse.ArgumentParser:
+    """The options every model command takes; `records`: also where its MLflow run goes (`interactive`
+    and `demo` record none, so they take no `--mlflow-*` option)."""
     common = argparse.ArgumentParser(add_help=False)
-    group = common.add_argument_group("model and records")
+    group = common.add_argument_group("model and records" if records else "model")
     group.add_argument("--model", default=DEFAULT_MODEL,
                        help="a known name (smollm2-135m, gemma3-270m) or a .gguf path (default: %(default)s)")
     group.add_argument("--context-length", type=int, default=None, help="KV cache length (default: model's)")
@@ -63,9 +65,10 @@ def _common() -> argparse.ArgumentParser:
     group.add_argument("--trace", metavar="FILE", default=None,
                        help="write a Chrome trace-event JSON (Perfetto) of load, tokenize, prefill, decode")
     group.add_argument("--trace-layers", action="store_true", help="also one span per layer (with --trace)")
-    group.add_argument("--mlflow-uri", default=None, help="MLflow tracking URI (default: as `ember run`)")
-    group.add_argument("--mlflow-experiment", default="ember", help="MLflow experiment name")
-    group.add_argument("--no-mlflow", action="store_true", help="record nothing in MLflow")
+    if records:
+        group.add_argument("--mlflow-uri", default=None, help="MLflow tracking URI (default: as `ember run`)")
+        group.add_argument("--mlflow-experiment", default="ember", help="MLflow experiment name")
+        group.add_argument("--no-mlflow", action="store_true", help="record nothing in MLflow")
     group.add_argument("--quiet", action="store_true", help="no progress output")
     return common
 
@@ -100,7 +103,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    common = _common()
+    common, unrecorded = _common(), _common(records=False)
     parser = _Parser(prog="ember", description=__doc__.split("\n\n")[0],
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -127,13 +130,13 @@ def build_parser() -> argparse.ArgumentParser:
     probe.add_argument("--l2", type=float, default=1e-2, help="L2 penalty on the probe weights")
 
     for name in ("interactive", "chat"):
-        chat = sub.add_parser(name, parents=[common], help="chat REPL (/reset, /exit)"
+        chat = sub.add_parser(name, parents=[unrecorded], help="chat REPL (/reset, /exit)"
                               if name == "interactive" else "same as interactive")
         chat.add_argument("--system", default=None, help="system message")
         chat.add_argument("--no-stats", action="store_true", help="no token/speed line after each reply")
         _sampling(chat, 256)
 
-    demo = sub.add_parser("demo", parents=[common], help="a short scripted showcase of generation")
+    demo = sub.add_parser("demo", parents=[unrecorded], help="a short scripted showcase of generation")
     demo.add_argument("--max-new-tokens", type=int, default=48,
                       help="tokens per reply; 0: prefill only, no token (default: %(default)s)")
 

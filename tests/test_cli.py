@@ -47,6 +47,11 @@ def fixture_model(smollm2, monkeypatch: pytest.MonkeyPatch):
     return smollm2
 
 
+def no_records(arguments: list[str]) -> list[str]:
+    """`--no-mlflow` for a command that records (interactive and demo take no such option)."""
+    return ["--no-mlflow"] if arguments[0] in cli.RECORDING_COMMANDS else []
+
+
 @pytest.mark.parametrize("experiments", [["zero_layer_output:layer=3"],
                                          ["activation_stats", "experiments.steering_vector.SteeringVector"]])
 @pytest.mark.parametrize(("arguments", "surface"), SURFACE_COMMANDS)
@@ -54,7 +59,7 @@ def test_every_surface_with_an_experiment_is_refused_before_loading(
         no_loading, capsys: pytest.CaptureFixture[str], arguments: list[str], surface: str,
         experiments: list[str]) -> None:
     flags = [part for name in experiments for part in ("--experiment", name)]
-    assert cli.main([*arguments, *flags, "--no-mlflow"]) == cli.EXIT_USAGE
+    assert cli.main([*arguments, *flags, *no_records(arguments)]) == cli.EXIT_USAGE
     message = capsys.readouterr().err
     assert f"{surface}" in message and "cannot run with active experiments" in message
     assert experiments[0].partition(":")[0] in message
@@ -119,7 +124,7 @@ def no_weights(smollm2_path, monkeypatch: pytest.MonkeyPatch) -> None:
 ])
 def test_every_mistake_is_one_line_before_loading(no_weights, capsys: pytest.CaptureFixture[str],
                                                    arguments: list[str], message: str) -> None:
-    assert cli.main([*arguments, "--no-mlflow"] if arguments[0] != "nonsense" else arguments) == 2
+    assert cli.main([*arguments, *no_records(arguments)]) == 2
     err = capsys.readouterr().err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("ember: ") and message in lines[0], err
@@ -228,13 +233,13 @@ def test_probe_command(fixture_model, tmp_path: Path, capsys: pytest.CaptureFixt
 def test_interactive_reads_stdin(fixture_model, monkeypatch: pytest.MonkeyPatch,
                                  capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr("sys.stdin", io.StringIO("Hi!\nHow are you?\n/exit\n"))
-    assert cli.main(["interactive", "--max-new-tokens", "4", "--no-mlflow", "--quiet"]) == cli.EXIT_OK
+    assert cli.main(["interactive", "--max-new-tokens", "4", "--quiet"]) == cli.EXIT_OK
     out = capsys.readouterr().out
     assert out.count("reused from the cache") == 2 and "0 reused" not in out.splitlines()[-1]
 
 
 def test_demo(fixture_model, capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main(["demo", "--max-new-tokens", "3", "--quiet", "--no-mlflow"]) == cli.EXIT_OK
+    assert cli.main(["demo", "--max-new-tokens", "3", "--quiet"]) == cli.EXIT_OK
     out = capsys.readouterr().out
     assert out.count("── ") == len(cli.DEMO_PROMPTS) and "tok/s" in out
 

@@ -136,6 +136,19 @@ def test_every_benchmark_option_has_help():
         assert action.help, f"{action.option_strings} has no help"
 
 
+def test_only_the_commands_that_record_take_mlflow_options():
+    """`interactive` and `demo` record no run, so they offer no `--mlflow-*` option that would do nothing."""
+    from ember.cli import build_parser
+
+    commands = build_parser()._subparsers._group_actions[0].choices
+    for name, parser in commands.items():
+        options = {o for action in parser._actions for o in action.option_strings}
+        if name in ("interactive", "chat", "demo"):
+            assert not {"--mlflow-uri", "--mlflow-experiment", "--no-mlflow"} & options, name
+        elif name in ("generate", "extract", "probe", "benchmark"):
+            assert {"--mlflow-uri", "--mlflow-experiment", "--no-mlflow"} <= options, name
+
+
 def test_the_config_s_experiment_names_work_in_the_cli(workdir):
     done = run(workdir, "cli", "generate", "Hi", "--experiment", "zero_layer:layer=3",
                "--max-new-tokens", "1", "--no-mlflow", "--quiet")
