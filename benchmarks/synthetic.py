@@ -513,7 +513,7 @@ def spec_digest(shape: Shape, seed: int) -> str:
 
 
 def synthetic_dir() -> Path:
-    from ember.sources import ember_cache_dir
+    from ember.paths import ember_cache_dir
 
     return ember_cache_dir() / "synthetic"
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("MPLBACKEND", "Agg")
-os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")  # ember names the run itself
 
 import argparse
 import json
@@ -582,6 +581,9 @@ def check_combination(args: argparse.Namespace) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from ember.records.store import mlflow_environment
+
+    mlflow_environment()
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "run":
         from ember.run import main as run_main

@@ -17,16 +17,10 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("MPLBACKEND", "Agg")  # figures are files; never open a window
-os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # records stay where the config says
-os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")  # ember names the run itself
-
-import sys
-
-if not (hasattr(sys.stderr, "isatty") and sys.stderr.isatty()):
-    os.environ.setdefault("NO_COLOR", "1")  # no ANSI colours in logs (Optuna's trial lines, colorlog's)
+os.environ.setdefault("MPLBACKEND", "Agg")  # figures are files; never open a window (before pyplot loads)
 
 import signal
+import sys
 import time
 import warnings
 from collections.abc import Sequence
@@ -68,6 +62,11 @@ def _hydra_task(cfg: DictConfig) -> Any:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run Hydra with `argv` (default: the command line) and return the process exit status."""
+    from ember.records.store import mlflow_environment
+
+    mlflow_environment()
+    if not (hasattr(sys.stderr, "isatty") and sys.stderr.isatty()):
+        os.environ.setdefault("NO_COLOR", "1")  # no ANSI colours in logs (Optuna's trial lines, colorlog's)
     saved_argv = sys.argv
     if argv is not None:
         sys.argv = [sys.argv[0] if sys.argv else "ember.run", *argv]

@@ -33,7 +33,8 @@ class Scope(Enum):
 class Stage:
     """One boundary: its name (the hook's), scope, the array's argument name, its rows and columns
     (`tokens`: one row per evaluated token, `1`: the last token's; `hidden` or `vocab` wide), the phases
-    it fires in, whether experiments may write it (`TensorAccess.values_mut()`), and what it is."""
+    it fires in (tests/test_stages.py holds the engine to them), and what it is. Every stage is writable
+    through `TensorAccess.values_mut()`."""
 
     name: str
     scope: Scope
@@ -42,7 +43,6 @@ class Stage:
     width: str
     meaning: str
     phases: frozenset[ExecutionPhase] = BOTH_PHASES
-    mutable: bool = True
 
     @property
     def shape(self) -> str:
@@ -85,6 +85,8 @@ def define_stage_methods(cls: type, make: Callable[[Stage], Callable[..., None]]
         method = make(stage)
         method.__name__ = stage.name
         method.__qualname__ = f"{cls.__qualname__}.{stage.name}"
+        # The stage's name in tracebacks and profiles too (they read the code object, shared per scope).
+        method.__code__ = method.__code__.replace(co_name=stage.name, co_qualname=method.__qualname__)
         method.__module__ = cls.__module__
         setattr(cls, stage.name, method)
     return cls

@@ -49,6 +49,10 @@ def test_a_record_without_its_kernels_or_declared_twice_is_refused():
     with pytest.raises(TypeError, match="Q8_0 is declared twice"):
         class Again(BlockType, qtype=Q.Q8_0):
             decode, dot = kernels.Q8_0.decode, kernels.Q8_0.dot
+    # Complete and new, but declared once the dispatch is generated: it would have no branch to run it.
+    with pytest.raises(TypeError, match="Q2_K is declared after the kernels' dispatch was generated"):
+        class Late(BlockType, qtype=Q.Q2_K):
+            decode, dot = kernels.Q8_0.decode, kernels.Q8_0.dot
     assert BLOCK_TYPES == before
 
 

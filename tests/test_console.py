@@ -270,9 +270,15 @@ def test_a_run_on_a_server_prints_only_ember_s_line_about_it(workdir, tmp_path):
 
 
 def test_no_colours_when_stderr_is_not_a_terminal():
-    """Optuna's and colorlog's ANSI codes honour NO_COLOR, which the runner sets for a log or a pipe."""
-    code = "import os, ember.run; print(os.environ.get('NO_COLOR'))"
-    plain = {k: v for k, v in env().items() if k != "NO_COLOR"}
+    """Optuna's and colorlog's ANSI codes honour NO_COLOR, which the runner sets for a log or a pipe when
+    it runs (importing ember.run sets nothing: a notebook keeps its colours), with MLflow's defaults."""
+    code = ("import os, sys, ember.run\n"
+            "imported = os.environ.get('NO_COLOR'), os.environ.get('MLFLOW_DISABLE_TELEMETRY')\n"
+            "code = ember.run.main(['--cfg', 'job'])\n"
+            "print(imported, os.environ.get('NO_COLOR'), os.environ.get('MLFLOW_DISABLE_TELEMETRY'), code,"
+            " file=sys.stderr)\n")
+    plain = {k: v for k, v in env().items() if k not in ("NO_COLOR", "MLFLOW_DISABLE_TELEMETRY")}
     done = subprocess.run([sys.executable, "-c", code], env=plain, capture_output=True, text=True,
                           timeout=300)
-    assert done.returncode == 0 and done.stdout.strip() == "1", done.stderr
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.strip().splitlines()[-1] == "(None, None) 1 true 0", done.stderr

@@ -65,6 +65,7 @@ def _default_hook(stage: Stage) -> Callable[..., None]:
     def hook(self: Experiment, ctx: Any, tensor: TensorAccess) -> None:
         pass
 
+    hook.__code__ = hook.__code__.replace(co_varnames=("self", "ctx", stage.argument))  # callable by keyword
     hook.__doc__ = f"{stage.meaning}, `{stage.shape}`."
     hook.__signature__ = inspect.Signature([  # type: ignore[attr-defined]  # what help() shows
         inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),

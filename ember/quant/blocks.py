@@ -52,6 +52,9 @@ class BlockType:
     f16_fields: ClassVar[tuple[int, ...]] = ()  # byte offsets of a block's f16 scales (test data)
     decode: ClassVar[Any]
     dot: ClassVar[Any]
+    # Set by `seal()` once `ember.quant.kernels` has generated its dispatch from the table: a type declared
+    # after that would be listed as supported with no branch to run it, so it is refused.
+    _sealed: ClassVar[bool] = False
 
     def __init_subclass__(cls, *, qtype: GGMLQuantizationType, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -60,9 +63,17 @@ class BlockType:
             raise TypeError(f"block type {qtype.name} has no {' or '.join(missing)} kernel")
         if int(qtype) in BLOCK_TYPES:
             raise TypeError(f"block type {qtype.name} is declared twice")
+        if BlockType._sealed:
+            raise TypeError(f"block type {qtype.name} is declared after the kernels' dispatch was generated: "
+                            "declare it in ember/quant/kernels.py")
         cls.qtype, cls.type_id, cls.name = qtype, int(qtype), qtype.name
         cls.values, cls.nbytes = GGML_QUANT_SIZES[qtype]
         BLOCK_TYPES[cls.type_id] = cls
+
+
+def seal() -> None:
+    """No more block types: `ember.quant.kernels` calls this after generating its dispatch."""
+    BlockType._sealed = True
 
 
 def switch(name: str, params: str, branch: str, records: Iterable[Any], default: str = "",

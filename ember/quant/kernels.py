@@ -33,7 +33,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 from ember.quant import simd
-from ember.quant.blocks import BLOCK_TYPES, BlockType, switch
+from ember.quant.blocks import BLOCK_TYPES, BlockType, seal, switch
 from ember.quant.jit import njit, prange
 
 # f16 bit pattern → float32 value
@@ -608,6 +608,7 @@ for r in range(first, stop):
     acc[:] = 0.0
     out[shift + r] = _lanes_total(acc, {dot}(data[r], x.shape[0], x, sums16, sums32, scales, acc, table))
 """, BLOCK_TYPES.values(), namespace={"_prefetch_ahead": _prefetch_ahead, "_lanes_total": _lanes_total})
+seal()  # every switch above is generated: a type declared from here on would have no branch
 
 
 @njit(parallel=True, fastmath=FAST, cache=True)

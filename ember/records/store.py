@@ -33,10 +33,6 @@ class Store:
     tracking_uri: str
     artifact_root: str | None = None
 
-    @property
-    def is_default(self) -> bool:
-        return self.artifact_root is not None
-
 
 def resolve_store(settings: MlflowSettings, base_dir: str | os.PathLike[str] | None = None, *,
                   handed_over: str | None = None) -> Store:
@@ -53,20 +49,28 @@ def resolve_store(settings: MlflowSettings, base_dir: str | os.PathLike[str] | N
     return Store(f"sqlite:///{outputs / 'mlflow.db'}", (outputs / "mlartifacts").as_uri())
 
 
-# A server that stops answering is noticed in seconds (MLflow's defaults retry for ~4 minutes per
-# request); the records then go to the run's outbox. Set these variables to choose otherwise.
-HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "3", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
-                 "MLFLOW_HTTP_REQUEST_TIMEOUT": "30"}
+# What ember asks of MLflow unless the environment chose otherwise: no telemetry (records stay where the
+# config says), no "View run at" lines (ember names the run itself), and a server that stops answering
+# noticed in seconds (MLflow's defaults retry for ~4 minutes per request; the records then go to the
+# run's outbox). MLflow reads telemetry's switch when it is imported: the front doors call
+# `mlflow_environment()` first thing, and every client made here calls it too.
+MLFLOW_DEFAULTS = {"MLFLOW_DISABLE_TELEMETRY": "true", "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",
+                   "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "3", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+                   "MLFLOW_HTTP_REQUEST_TIMEOUT": "30"}
+
+
+def mlflow_environment() -> None:
+    """Set `MLFLOW_DEFAULTS` where the environment has no value of its own."""
+    for name, value in MLFLOW_DEFAULTS.items():
+        os.environ.setdefault(name, value)
 
 
 def mlflow_client(tracking_uri: str) -> Any:
-    """An `MlflowClient` for the store, with MLflow's chatter quieted and its HTTP retries short (unless
-    the environment chose otherwise)."""
+    """An `MlflowClient` for the store, with MLflow's chatter quieted and `MLFLOW_DEFAULTS` in force."""
+    mlflow_environment()
     from mlflow.tracking import MlflowClient
 
     quiet_mlflow_logging()
-    for name, value in HTTP_DEFAULTS.items():
-        os.environ.setdefault(name, value)
     return MlflowClient(tracking_uri=tracking_uri)
 
 

@@ -105,7 +105,7 @@ class Sweep:
                 record["search"] = search
             os.environ[PARENT_RUN_ENV] = run_id
         sweep._write(record)
-        os.environ[OPEN_SWEEP_ENV] = str(sweep.folder)
+        os.environ[OPEN_SWEEP_ENV] = f"{os.getpid()}:{sweep.folder}"  # this process's, not its children's
         return sweep
 
     @property
@@ -126,12 +126,13 @@ class Sweep:
 
     @classmethod
     def opened_here(cls) -> Sweep | None:
-        """The sweep this process started and has not forgotten."""
-        folder = os.environ.get(OPEN_SWEEP_ENV)
-        return cls(folder) if folder else None
+        """The sweep this process started and has not forgotten (a child process inherits the variable,
+        but not the sweep: it names the pid that opened it)."""
+        pid, _, folder = os.environ.get(OPEN_SWEEP_ENV, "").partition(":")
+        return cls(folder) if folder and pid == str(os.getpid()) else None
 
     def forget(self) -> None:
-        if os.environ.get(OPEN_SWEEP_ENV) == str(self.folder):
+        if os.environ.get(OPEN_SWEEP_ENV) == f"{os.getpid()}:{self.folder}":
             os.environ.pop(OPEN_SWEEP_ENV, None)
 
     @property

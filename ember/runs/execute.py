@@ -54,11 +54,6 @@ class JobOutcome:
         return self.objective
 
 
-def execute(cfg: DictConfig) -> int:
-    """Run one job end to end; return its exit status. Never raises for a user's mistake."""
-    return run_job(cfg).code
-
-
 def run_job(cfg: DictConfig) -> JobOutcome:
     """Run one job end to end; its exit status and objective. Never raises for a user's mistake."""
     job = JobInfo.from_hydra()

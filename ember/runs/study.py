@@ -30,6 +30,7 @@ from ember.experiments import BUILTIN_EXPERIMENTS, ExperimentFailure
 from ember.experiments.readout import log_softmax
 from ember.experiments.runner import ExperimentRunner
 from ember.experiments.study import Evaluation, ItemResult, StudyItem
+from ember.records.tracker import experiment_folder
 from ember.runconfig import build_experiments
 from ember.runs.checkpoint import Interval
 from ember.runs.effect import LogitsRecorder, intervention_effect
@@ -285,9 +286,9 @@ class Study:
                            "ember.study.digest": plan.prompt_set.digest,
                            "ember.study.items": str(len(self.rows)),
                            "ember.study.key_metrics": ",".join(key)})
-        if getattr(recorder, "run_id", None) is not None:  # the page, after the timings (not counted)
+        if recorder.recording:  # the page, after the timings (not counted)
             for name, result in results.items():
-                figures += [(f"experiments/{name}/{title}.png", figure)
+                figures += [(f"{experiment_folder(name)}/{title}.png", figure)
                             for title, figure in _figures_of(result).items()]
             page = study_page(model=self.prepared.model_label, prompt_set=plan.prompt_set.name,
                               digest=plan.prompt_set.digest, items=len(self.rows), run_id=recorder.run_id,
