@@ -80,6 +80,8 @@ def store(tmp_path: Path):
 
 
 def test_a_search_parent_has_its_objective_first(store):
+    from ember.records.store import Store
+    from ember.records.tracker import Tracker
     from ember.studies.summary import summarize_sweep
 
     client, experiment = store
@@ -104,7 +106,7 @@ def test_a_search_parent_has_its_objective_first(store):
     client.set_tag(parent, "ember.search.best_job", "1")
     client.set_tag(parent, "numpy.blas_threads", "2")
 
-    done = summarize_sweep(client, experiment, parent)
+    done = summarize_sweep(Tracker.attach(Store(client.tracking_uri), experiment), experiment, parent)
     assert done["key_metrics"] == ["objective", "effect.answer_changed"]
     run = client.get_run(parent)
     assert run.data.metrics["objective"] == 2.25  # the best trial's, the search's result

@@ -40,7 +40,7 @@ OPEN_SWEEP_ENV = "EMBER_OPEN_SWEEP_DIR"
 DIED = "DIED"  # what a job folder without a status file says
 
 # A summary of the parent's children (e.g. `ember.studies.summary.summarize_sweep`):
-# (client, experiment id, parent run id).
+# (the store's Tracker, experiment id, parent run id); it writes through the tracker.
 Summarize = Callable[[Any, str, str], Any]
 
 
@@ -201,7 +201,7 @@ class Sweep:
                 best = _tag_best_trial(tracker, parent, attempts, overrides)
             failed_jobs = _describe_jobs(problems, overrides)
             if attempts is not None and summarize is not None:
-                _summarize(summarize, tracker.client, parent)
+                _summarize(summarize, tracker, parent)
             child_runs = "unknown" if attempts is None else str(sum(len(runs) for runs in attempts.values()))
             tags = {"ember.sweep.jobs": str(len(jobs)), "ember.sweep.child_runs": child_runs,
                     "ember.sweep.failed_jobs": "; ".join(failed_jobs) or "none",
@@ -251,13 +251,16 @@ def write_job_status(job_dir: str | os.PathLike[str], status: str, detail: str =
 # ------------------------------------------------------------------------------------ closing
 
 
-def _summarize(summarize: Summarize, client: Any, record: Mapping[str, Any]) -> None:
+def _summarize(summarize: Summarize, tracker: Any, record: Mapping[str, Any]) -> None:
     try:
-        summarize(client, record["experiment_id"], record["run_id"])
+        summarize(tracker, record["experiment_id"], record["run_id"])
     except Exception as error:
         log.warning("ember: could not summarise the sweep in its parent run: %s", error)
         detail = clip(f"{type(error).__name__}: {error}", MAX_TAG_LENGTH)
-        client.set_tag(record["run_id"], "ember.sweep.summary_error", detail)
+        try:  # the parent is still closed below, whatever this tag meets
+            tracker.set_tags(record["run_id"], {"ember.sweep.summary_error": detail})
+        except Exception as again:
+            log.warning("ember: could not tag the parent run with that: %s", again)
 
 
 Attempts = Mapping[str, list[tuple[Any, str]]]  # job number -> its child runs and their statuses

@@ -23,11 +23,11 @@ from ember.records.sweep import Sweep, SweepSummary, handed_over_size
 from ember.runconfig import settings_from_config
 
 
-def summarize(client: Any, experiment_id: str, parent_run_id: str) -> None:
-    """The parent's summary of its children (`ember.studies.summary`)."""
+def summarize(records: Any, experiment_id: str, parent_run_id: str) -> None:
+    """The parent's summary of its children (`ember.studies.summary`), written through `records`."""
     from ember.studies.summary import summarize_sweep
 
-    summarize_sweep(client, experiment_id, parent_run_id)
+    summarize_sweep(records, experiment_id, parent_run_id)
 
 
 def finish(sweep: Sweep, *, interrupted: bool = False, error: str | None = None,

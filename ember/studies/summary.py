@@ -40,9 +40,11 @@ def swept_values(overrides: Sequence[str]) -> dict[str, str]:
     return out
 
 
-def summarize_sweep(client: Any, experiment_id: str, parent_run_id: str) -> dict[str, Any]:
+def summarize_sweep(records: Any, experiment_id: str, parent_run_id: str) -> dict[str, Any]:
     """Write the parent's table, figures, metrics and results page; returns what was written (for tests
-    and logs)."""
+    and logs). `records` is the store's `ember.records.tracker.Tracker`: it reads through its `client`
+    and writes through its one write path (the outbox included, when the server is away)."""
+    client = records.client
     children = client.search_runs([experiment_id], max_results=10000,
                                   filter_string=f"tags.mlflow.parentRunId = '{parent_run_id}'")
     if not children:
@@ -86,7 +88,7 @@ def summarize_sweep(client: Any, experiment_id: str, parent_run_id: str) -> dict
     for row in rows:
         for name in columns:
             columns[name].append(row.get(name))
-    client.log_table(parent_run_id, data=columns, artifact_file="sweep/summary.json")
+    records.log_table(parent_run_id, columns, "sweep/summary.json")
 
     context = _context(children)
     best_run = parent.data.tags.get("ember.search.best_run_id")
@@ -108,7 +110,7 @@ def summarize_sweep(client: Any, experiment_id: str, parent_run_id: str) -> dict
                                [f[3] for f in found], xlabel=x_name if numeric_x else "job",
                                title=context_title(what, *context),
                                best=best if metric == "objective" else None)
-        client.log_figure(parent_run_id, figure, f"sweep/{metric}.png")
+        records.log_figure(parent_run_id, figure, f"sweep/{metric}.png")
         figures.append(metric)
         pngs.append((f"sweep/{metric}.png: {what}", png_bytes(figure)))
         # the step is the swept value where it is an integer (a layer), else the job number
@@ -119,13 +121,12 @@ def summarize_sweep(client: Any, experiment_id: str, parent_run_id: str) -> dict
     best_value = _best_objective(parent, children)
     if best_value is not None:
         metrics.append(("objective", best_value, 0))
-    _log_metrics(client, parent_run_id, metrics)
+    records.log_metrics(parent_run_id, metrics)
     tags = {"ember.sweep.key_metrics": ",".join(key_metrics), **_job_threads(children)}
     if x_name is not None:
         tags["ember.sweep.swept"] = x_name
-    for key, value in tags.items():
-        client.set_tag(parent_run_id, key, value)
-    _log_page(client, parent, children, rows, swept, key_metrics, pngs, context)
+    records.set_tags(parent_run_id, tags)
+    _log_page(records, parent, children, rows, swept, key_metrics, pngs, context)
     return {"rows": rows, "swept": swept, "key_metrics": key_metrics, "figures": figures}
 
 
@@ -191,7 +192,7 @@ def _intervals(client: Any, run: Any) -> dict[tuple[str, int], tuple[float | Non
     return out
 
 
-def _log_page(client: Any, parent: Any, children: Sequence[Any], rows: Sequence[dict[str, Any]],
+def _log_page(records: Any, parent: Any, children: Sequence[Any], rows: Sequence[dict[str, Any]],
               swept: Sequence[str], key_metrics: Sequence[str], pngs: Sequence[tuple[str, bytes]],
               context: tuple[str, str, int | None]) -> None:
     from ember.studies.report import PageFigure, ResultsPage, Table, interval_text, render
@@ -222,7 +223,7 @@ def _log_page(client: Any, parent: Any, children: Sequence[Any], rows: Sequence[
     page = ResultsPage(f"Sweep: {parent.info.run_name}", facts,
                        [PageFigure(caption, png) for caption, png in pngs],
                        [Table("Jobs", table, note)], config)
-    client.log_text(parent.info.run_id, render(page), "results.html")
+    records.log_text(parent.info.run_id, render(page), "results.html")
 
 
 def _key_metrics(children: Sequence[Any]) -> list[str]:
@@ -256,14 +257,3 @@ def _number(value: Any) -> float | None:
     except (TypeError, ValueError):
         return None
     return number if math.isfinite(number) else None
-
-
-def _log_metrics(client: Any, run_id: str, metrics: list[tuple[str, float, int]]) -> None:
-    import time
-
-    from mlflow.entities import Metric
-
-    now = int(time.time() * 1000)
-    entries = [Metric(name, float(value), now, int(step)) for name, value, step in metrics]
-    for start in range(0, len(entries), 1000):
-        client.log_batch(run_id, metrics=entries[start:start + 1000])
