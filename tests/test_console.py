@@ -244,24 +244,11 @@ def test_the_exit_status_names_the_signal(workdir, tmp_path, sig, status):
 
 @pytest.mark.slow
 def test_a_run_on_a_server_prints_only_ember_s_line_about_it(workdir, tmp_path):
-    from test_tracking_server import free_port, stop, wait_until_healthy
+    from test_tracking_server import mlflow_server
 
-    database = prepared_store(tmp_path / "server")
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    log = tmp_path / "server.log"
-    with log.open("w") as sink:
-        server = subprocess.Popen(
-            [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
-             "--workers", "1", "--backend-store-uri", f"sqlite:///{database}",
-             "--artifacts-destination", str(tmp_path / "server" / "artifacts")],
-            stdout=sink, stderr=subprocess.STDOUT, start_new_session=True, cwd=tmp_path)
-    try:
-        wait_until_healthy(base, server, log)
+    with mlflow_server(tmp_path) as base:
         done = run(workdir, "max_new_tokens=2", f"mlflow.tracking_uri={base}",
                    "mlflow.experiment_name=t_console_server")
-    finally:
-        stop(server)
     assert done.returncode == 0, done.stderr
     assert "View experiment" not in done.stdout + done.stderr and "View run" not in done.stdout
     assert done.stdout.startswith("The capital of France is") and len(done.stdout.splitlines()) == 1

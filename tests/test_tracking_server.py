@@ -11,6 +11,8 @@ import sys
 import time
 import urllib.parse
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -65,22 +67,33 @@ def stop(server: subprocess.Popen) -> None:
             server.wait(timeout=30)
 
 
-@pytest.mark.slow
-def test_sweep_recorded_by_a_real_mlflow_server(tmp_path, monkeypatch, smollm2_path):
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    database = prepared_store(tmp_path / "server")
+@contextmanager
+def mlflow_server(folder: Path) -> Iterator[str]:
+    """A real `mlflow server` on 127.0.0.1 (a free port) with its store and artifacts under `folder`;
+    yields its base URL once healthy, and stops it (and its workers) afterwards."""
+    database = prepared_store(folder / "server")
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    log = tmp_path / "server.log"
+    log = folder / "server.log"
     with log.open("w") as sink:
         server = subprocess.Popen(
             [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
              "--workers", "1", "--backend-store-uri", f"sqlite:///{database}",
-             "--artifacts-destination", str(tmp_path / "server" / "artifacts")],
-            stdout=sink, stderr=subprocess.STDOUT, start_new_session=True, cwd=tmp_path,
+             "--artifacts-destination", str(folder / "server" / "artifacts")],
+            stdout=sink, stderr=subprocess.STDOUT, start_new_session=True, cwd=folder,
         )
     try:
         wait_until_healthy(base, server, log)
+        yield base
+    finally:
+        stop(server)
+    assert server.poll() is not None, "the server is still running"
+
+
+@pytest.mark.slow
+def test_sweep_recorded_by_a_real_mlflow_server(tmp_path, monkeypatch, smollm2_path):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    with mlflow_server(tmp_path) as base:
         monkeypatch.chdir(tmp_path)
         code = runner.main(["-m", "experiment=zero_layer", "layer=0,1", "max_new_tokens=2",
                             f"mlflow.tracking_uri={base}", "mlflow.experiment_name=t_server"])
@@ -115,6 +128,3 @@ def test_sweep_recorded_by_a_real_mlflow_server(tmp_path, monkeypatch, smollm2_p
                 assert len(json.loads(response.read())["token_ids"]) == 2
         assert layers == {"0", "1"}
         assert not (tmp_path / "outputs" / "mlflow.db").exists(), "records went to the server only"
-    finally:
-        stop(server)
-    assert server.poll() is not None
