@@ -32,9 +32,10 @@ from ember.experiments.runner import ExperimentRunner
 from ember.families import FAMILIES, config_from_gguf
 from ember.gguf_file import GGUFFile
 from ember.kv_cache import SlidingWindowKV
+from ember.memory import available_memory, estimate_memory
 from ember.memory import check_memory as memory_check
-from ember.memory import estimate_memory
 from ember.quant import compute_threads, jit_unavailable
+from ember.rows import BatchEntry, BatchRows, SavedState, check_entry
 from ember.sampling import Sampler, SamplingSettings
 from ember.sources import ModelFile, resolve_model
 from ember.tokenizer import Tokenizer
@@ -57,6 +58,32 @@ class Timings:
     @property
     def decode_tokens_per_second(self) -> float:
         return self.decode_evaluations / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+
+@dataclass(slots=True)
+class BatchResult:
+    """What `Model.evaluate_batch` returns, in the order the sequences were given: each sequence's
+    logits (its last position's [V], or with all_logits those of its evaluated positions [rows, V]) and
+    the saved state of each sequence asked to be saved (`BatchEntry.save`), by index."""
+
+    logits: list[np.ndarray]
+    saved: dict[int, SavedState]
+
+
+# The memory a batch's activations may take (`Model.batch_memory`), unless EMBER_BATCH_MEMORY (bytes,
+# or with a unit: 512M, 2G) says: an eighth of the memory available at load, between these bounds. A
+# larger batch is split into several. Measured on SmolLM2 (2 threads, residual patching of 6 pairs): the
+# rate no longer grows past ~300 rows (the products' tiles are full), ~6 MB of activations.
+BATCH_MEMORY_BOUNDS = (64 << 20, 1 << 30)
+
+
+def default_batch_memory() -> int:
+    from ember.memory import parse_size
+
+    if os.environ.get("EMBER_BATCH_MEMORY"):
+        return parse_size(os.environ["EMBER_BATCH_MEMORY"])
+    low, high = BATCH_MEMORY_BOUNDS
+    return int(min(high, max(low, available_memory() // 8)))
 
 
 @dataclass(slots=True)
@@ -100,6 +127,8 @@ class Model:
         self._cache = forward.new_cache(context_length)
         self._cached_ids: list[int] = []  # the tokens whose keys/values the cache holds, in order
         self._decode_workspace = forward.new_workspace(1, context_length)
+        self._batch_workspace: Any = None
+        self.batch_memory = default_batch_memory()  # bytes a batch's activations may take; more is split
         self.model_context = ModelContext.from_config(config, model_id=source.name, readout=self._readout())
 
     def _readout(self) -> Readout | None:
@@ -291,6 +320,68 @@ class Model:
                                 args={"start_position": 0, "tokens": len(prompt_ids)})
         self._cached_ids = prompt_ids
         return logits
+
+    def evaluate_batch(self, entries: Sequence[BatchEntry], *, observer: Any = None,
+                       all_logits: bool = False) -> BatchResult:
+        """Evaluate several sequences of any lengths together (`ember.rows`): their rows stacked, every
+        matrix product run once over all of them, each row attending over its own sequence. A sequence
+        may start from a saved evaluation (`BatchEntry.prefix`, `start`, `first_layer`: prefix reuse).
+        `observer`: a hooks adapter that sees the whole batch (`begin_batch`). A batch larger than
+        `batch_memory` is evaluated in several parts. Nothing is cached for generation afterwards."""
+        layer_count = self.config.layer_count
+        for index, entry in enumerate(entries):
+            try:
+                check_entry(entry, layer_count)
+            except ValueError as error:
+                raise ConfigError(f"batch sequence {index}: {error}") from None
+            self.tokenize(entry.token_ids)  # ids inside the vocabulary
+            if len(entry.token_ids) > self.context_length:
+                raise ContextLengthError(f"batch sequence {index} has {len(entry.token_ids)} tokens; the "
+                                         f"context holds {self.context_length}")
+        hooks = observer if observer is not None else DISABLED_HOOKS
+        logits: list[np.ndarray | None] = [None] * len(entries)
+        saved: dict[int, SavedState] = {}
+        self._cached_ids = []
+        with compute_threads(self.threads):
+            for part in self._batch_parts(entries, all_logits):
+                count = sum(entries[i].rows for i in part)
+                rows = BatchRows([entries[i] for i in part], self._batch_rows(count), layer_count, part)
+                out = self._forward.evaluate(rows, hooks, ExecutionPhase.PREFILL, all_logits=all_logits)
+                for k, index in enumerate(rows.order):
+                    logits[index] = out[rows.offsets[k]:rows.offsets[k + 1]] if all_logits else out[k]
+                saved.update(rows.saved)
+        return BatchResult(logits, saved)  # type: ignore[arg-type]
+
+    def _batch_rows(self, count: int) -> Any:
+        """A workspace of `count` rows: the first rows of one kept for batches, grown when needed."""
+        if self._batch_workspace is None or self._batch_workspace.rows < count:
+            self._batch_workspace = self._forward.new_workspace(max(count, 2), self.context_length)
+        workspace = self._batch_workspace
+        return workspace if workspace.rows == count else workspace.head(count)
+
+    def _batch_parts(self, entries: Sequence[BatchEntry], all_logits: bool) -> list[list[int]]:
+        """The entries in consecutive parts whose activations fit `batch_memory` (an entry is never
+        split; one larger than the budget is a part of its own)."""
+        per_row = self._row_bytes() + (self.config.vocab_size * 4 if all_logits else 0)
+        per_sequence = self.config.vocab_size * 4
+        parts: list[list[int]] = [[]]
+        used = 0
+        for index, entry in enumerate(entries):
+            size = entry.rows * per_row + per_sequence
+            if parts[-1] and used + size > self.batch_memory:
+                parts.append([])
+                used = 0
+            parts[-1].append(index)
+            used += size
+        return [part for part in parts if part]
+
+    def _row_bytes(self) -> int:
+        """The activation bytes one more row of a batch takes (a 2-row workspace, measured once)."""
+        if not hasattr(self, "_bytes_per_row"):
+            probe = self._forward.new_workspace(2, 2)
+            arrays = [a for a in vars(probe).values() if isinstance(a, np.ndarray)]
+            self._bytes_per_row = max(1, sum(a.nbytes for a in arrays) // 2)
+        return self._bytes_per_row
 
     def check_fits(self, prompt_tokens: int, max_new_tokens: int) -> None:
         if prompt_tokens == 0:

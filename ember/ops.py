@@ -28,6 +28,11 @@ def use_token_ops(module: Any) -> None:
     _token_ops = module
 
 
+def token_ops() -> Any:
+    """The numba row operations when in use (`use_token_ops`), else None."""
+    return _token_ops
+
+
 def _one_row(*arrays: np.ndarray) -> bool:
     """Whether the numba route applies: token ops in use, every array C-contiguous (decode's rows, whole
     activation buffers)."""
@@ -321,4 +326,25 @@ def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, *, start_posi
         out_heads[chunk, kv] = np.matmul(scores, chunk_values).transpose(1, 0, 2)  # [t, g, hd_v]
 
     parallel.share(piece, kv_count * len(chunks))
+    return out
+
+
+def sliding_window_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, key_positions: np.ndarray,
+                             start_position: int, window: int, scale: float, out: np.ndarray) -> np.ndarray:
+    """Attention of several rows on a sliding layer, one query chunk at a time over only the keys its
+    window can reach (keys in ascending position order, as `SlidingWindowKV.store` returns them for
+    several rows).
+
+    Same result as one `attention` call over every key with the mask, without scoring a long prompt's
+    rows against thousands of keys that are all masked.
+    """
+    token_count = q.shape[0]
+    for first_row in range(0, token_count, PREFILL_QUERY_CHUNK):
+        last_row = min(first_row + PREFILL_QUERY_CHUNK, token_count)
+        oldest = int(np.searchsorted(key_positions, start_position + first_row - window + 1))
+        newest = int(np.searchsorted(key_positions, start_position + last_row - 1, side="right"))
+        reach = slice(oldest, newest)
+        attention(q[first_row:last_row], keys[:, reach], values[:, reach],
+                  start_position=start_position + first_row, scale=scale, out=out[first_row:last_row],
+                  key_positions=key_positions[reach], sliding_window=window)
     return out

@@ -122,6 +122,11 @@ class TracingHooks:
         self._start_position = int(start_position)
         self.inner.begin_evaluation(phase, start_position, token_count)
 
+    def begin_batch(self, rows: Any) -> None:
+        self._phase = ExecutionPhase.PREFILL
+        self._start_position = 0
+        self.inner.begin_batch(rows)
+
     def _end_layer(self, layer_index: int) -> None:
         self.tracer.complete(f"layer {layer_index}", self._layer_started, time.perf_counter(), cat="layer",
                              args={"layer": layer_index, "phase": self._phase.value,

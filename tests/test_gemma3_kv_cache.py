@@ -93,8 +93,7 @@ def test_layered_cache_build() -> None:
 def test_chunked_sliding_prefill_matches_the_masked_reference() -> None:
     """Gemma 3's prefill on a sliding layer: per query chunk, only the keys its window reaches; with
     earlier ring contents (out of slot order after wrapping) and more rows than one chunk."""
-    from ember.families.gemma3 import sliding_prefill_attention
-    from ember.ops import PREFILL_QUERY_CHUNK
+    from ember.ops import PREFILL_QUERY_CHUNK, sliding_window_attention
 
     rng = np.random.default_rng(7)
     window, earlier, count = 40, 57, PREFILL_QUERY_CHUNK * 2 + 30
@@ -105,7 +104,7 @@ def test_chunked_sliding_prefill_matches_the_masked_reference() -> None:
     keys, values, positions = ring.store(earlier, k_all[earlier:], v_all[earlier:])
     assert positions.tolist() == list(range(earlier - window, total))  # ascending, window of earlier ones
     out = np.zeros((count, HEADS * HEAD_DIM), np.float32)
-    sliding_prefill_attention(q_all[earlier:].copy(), keys, values, positions, earlier, window,
+    sliding_window_attention(q_all[earlier:].copy(), keys, values, positions, earlier, window,
                               1 / np.sqrt(HEAD_DIM), out)
     expected = reference(q_all[earlier:], k_all, v_all, earlier, window)
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)

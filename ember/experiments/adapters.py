@@ -1,6 +1,7 @@
 """The hooks adapters the engine's forward passes call: disabled (does nothing) and active.
 
-The engine calls, by name, `begin_evaluation(phase, start_position, token_count)`, then each stage of
+The engine calls, by name, `begin_evaluation(phase, start_position, token_count)` (one sequence) or
+`begin_batch(rows)` (a batch, `ember.rows.BatchRows`: contract v0.3), then each stage of
 `ember.stages.STAGES` where it happens: a layer stage as `<name>(layer_index, array)` (per layer:
 `before_layer`, `after_attention`, `after_mlp`, `after_layer`), a model stage as `<name>(array)`
 (`before_logits`, `after_logits`). Arrays are engine-owned C-contiguous float32 2-D. The per-stage
@@ -16,6 +17,7 @@ import numpy as np
 
 from ember.experiments.base import ALL_HOOKS, Experiment
 from ember.experiments.context import (
+    BatchLayout,
     ExecutionContext,
     ExecutionPhase,
     LayerContext,
@@ -45,6 +47,8 @@ class HooksAdapter(Protocol):
 
     def begin_evaluation(self, phase: ExecutionPhase, start_position: int, token_count: int) -> None: ...
 
+    def begin_batch(self, rows: Any) -> None: ...
+
 
 define_stage_methods(HooksAdapter, _does_nothing)
 
@@ -55,6 +59,9 @@ class DisabledHooks:
     __slots__ = ()
 
     def begin_evaluation(self, phase: ExecutionPhase, start_position: int, token_count: int) -> None:
+        pass
+
+    def begin_batch(self, rows: Any) -> None:
         pass
 
 
@@ -87,6 +94,7 @@ class ActiveHooks:
         self._execution: ExecutionContext | None = None
         self._layer: LayerContext | None = None
         calls: dict[str, list[_Call]] = {hook: [] for hook in ALL_HOOKS}
+        self._experiments = [(experiment.name, experiment) for experiment in experiments]
         for experiment in experiments:
             for hook in ALL_HOOKS:
                 method = _implemented(experiment, hook)
@@ -114,6 +122,22 @@ class ActiveHooks:
         self._execution = ExecutionContext(
             self.model, phase, int(start_position), int(token_count), self.tracing
         )
+        self._layer = None
+
+    def begin_batch(self, rows: Any) -> None:
+        """A batch of sequences (`ember.rows.BatchRows`) evaluated together: only experiments that opted
+        in (`batched = True`, contract v0.3) see one; the context's `batch` says which rows are which."""
+        self._stop_if_failed()
+        single = [name for name, experiment in self._experiments if not getattr(experiment, "batched", False)]
+        if single:
+            raise RuntimeError(f"experiment {single[0]!r} sees one sequence at a time; it was handed a batch "
+                               f"(ember bug: the caller must evaluate its sequences one by one)")
+        self.evaluation_count[ExecutionPhase.PREFILL] += 1
+        layout = BatchLayout(tuple(int(e) for e in rows.order), tuple(int(o) for o in rows.offsets),
+                             tuple(int(s) for s in rows.starts), tuple(int(f) for f in rows.first_layers),
+                             tuple(entry.tag for entry in rows.stacked))
+        self._execution = ExecutionContext(self.model, ExecutionPhase.PREFILL, 0, int(rows.count), self.tracing,
+                                           layout)
         self._layer = None
 
     # one method per stage: `define_stage_methods(ActiveHooks, _calls_experiments)` below

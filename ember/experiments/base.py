@@ -38,6 +38,9 @@ class Experiment:
     """
 
     name: str = ""
+    # Contract v0.3: True when the tensor hooks handle a batch of sequences in one tensor (the context's
+    # `spans` say which rows are which); an experiment that leaves it False sees one sequence at a time.
+    batched: bool = False
 
     def on_model_loaded(self, ctx: ModelContext) -> None:
         """Once per generation, before anything runs."""

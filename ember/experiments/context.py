@@ -53,14 +53,81 @@ class ModelContext:
 
 
 @dataclass(frozen=True, slots=True)
+class SequenceSpan:
+    """Contract v0.3: one sequence of a batched evaluation, as a tensor hook sees it.
+
+    `index`: the sequence's place in the batch as it was asked for; `rows`: its rows in the tensor
+    (layer stages: one per evaluated position; model stages: its one last row); `start_position`: the
+    position of its first row (positions before it were read from a saved evaluation); `first_layer`:
+    the first layer evaluated for it (the layers before are the saved evaluation's); `tag`: the label the
+    experiment gave the sequence when it asked for it."""
+
+    index: int
+    rows: slice
+    start_position: int
+    first_layer: int = 0
+    tag: Any = None
+
+    def position_row(self, position: int) -> int | None:
+        """The tensor row holding absolute position `position`, or None where it is not evaluated."""
+        row = self.rows.start + position - self.start_position
+        return row if self.rows.start <= row < self.rows.stop and position >= self.start_position else None
+
+
+@dataclass(frozen=True, slots=True)
+class BatchLayout:
+    """Contract v0.3: how a batched evaluation's sequences are stacked (plain numbers, no engine state).
+
+    Sequences are stacked in order of their first layer, so that a layer stage's tensor holds the rows of
+    the sequences evaluated from that layer on, from row 0: `spans(layer)` lists them."""
+
+    indices: tuple[int, ...]        # the caller's index of each stacked sequence
+    offsets: tuple[int, ...]        # first row of each stacked sequence, and the total
+    starts: tuple[int, ...]
+    first_layers: tuple[int, ...]
+    tags: tuple[Any, ...]
+    _spans: dict[Any, tuple[SequenceSpan, ...]] = field(default_factory=dict, compare=False, repr=False)
+
+    def spans(self, layer: int | None) -> tuple[SequenceSpan, ...]:
+        """The sequences in a stage's tensor: at layer `layer` (None: the model stages, one row each)."""
+        known = self._spans.get(layer)
+        if known is not None:
+            return known
+        spans = []
+        for k, index in enumerate(self.indices):
+            if layer is None:
+                rows = slice(k, k + 1)
+                start = self.starts[k] + self.offsets[k + 1] - self.offsets[k] - 1
+            elif self.first_layers[k] <= layer:
+                rows, start = slice(self.offsets[k], self.offsets[k + 1]), self.starts[k]
+            else:
+                continue
+            spans.append(SequenceSpan(index, rows, start, self.first_layers[k], self.tags[k]))
+        self._spans[layer] = result = tuple(spans)
+        return result
+
+
+@dataclass(frozen=True, slots=True)
 class ExecutionContext:
-    """One evaluation of the model: a prefill over the prompt, or one decode step."""
+    """One evaluation of the model: a prefill over the prompt, or one decode step, or (contract v0.3,
+    experiments with `batched = True`) a batch of sequences evaluated together, `batch` saying which
+    rows are which (then `start_position` is 0 and `input_token_count` counts every row)."""
 
     model: ModelContext
     phase: ExecutionPhase
     start_position: int
     input_token_count: int
     tracing: TracingState
+    batch: BatchLayout | None = None
+
+    def spans(self, layer: int | None = None) -> tuple[SequenceSpan, ...]:
+        """The sequences of this evaluation and their rows at a layer stage (`layer`) or a model stage
+        (None): one span for a single sequence, so batch-aware code reads every evaluation alike."""
+        if self.batch is not None:
+            return self.batch.spans(layer)
+        if layer is None:
+            return (SequenceSpan(0, slice(0, 1), self.start_position + self.input_token_count - 1),)
+        return (SequenceSpan(0, slice(0, self.input_token_count), self.start_position),)
 
     @property
     def sequence_length(self) -> int:
@@ -78,6 +145,11 @@ class LayerContext:
 
     execution: ExecutionContext
     layer_index: int
+
+    @property
+    def spans(self) -> tuple[SequenceSpan, ...]:
+        """The sequences whose rows this layer's tensor holds (contract v0.3; one for a single sequence)."""
+        return self.execution.spans(self.layer_index)
 
 
 @dataclass(frozen=True, slots=True)

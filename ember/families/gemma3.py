@@ -36,9 +36,7 @@ from ember.families.workspace import Workspace
 from ember.gguf_file import GGUFFile
 from ember.kv_cache import LayeredKVCache
 from ember.ops import (
-    PREFILL_QUERY_CHUNK,
     apply_rope,
-    attention,
     gather_rows,
     gelu_tanh_inplace,
     linear,
@@ -46,6 +44,7 @@ from ember.ops import (
     rope_tables,
 )
 from ember.phases import ExecutionPhase, ModelFamily
+from ember.rows import Rows, SequenceRows
 from ember.weights import WeightStore
 
 DEFAULT_SLIDING_PATTERN = 6  # llama.cpp's default for gemma3: five sliding layers, then one full
@@ -221,16 +220,21 @@ class Gemma3Forward:
                 hooks, phase: ExecutionPhase, *, all_logits: bool = False) -> np.ndarray:
         """Evaluate token_ids at positions start_position…; return logits of the last row
         ([1, V], a workspace view) or of every row ([T, V], new) when all_logits."""
-        c, w = self.config, self.weights
-        T = len(token_ids)
-        hooks.begin_evaluation(phase, start_position, T)
+        return self.evaluate(SequenceRows(token_ids, start_position, cache, ws), hooks, phase,
+                             all_logits=all_logits)
 
-        h = ws.hidden
-        self.embed(token_ids, h)
+    def evaluate(self, rows: Rows, hooks, phase: ExecutionPhase, *, all_logits: bool = False) -> np.ndarray:
+        """Evaluate `rows` (one sequence over a cache, or a batch: `ember.rows`); the logits of each
+        sequence's last row, or of every row when all_logits."""
+        c, w = self.config, self.weights
+        rows.begin(hooks, phase)
+
+        self.embed(rows.token_ids, rows.hidden)
         for i, layer in enumerate(w.layers):
+            h, ws = rows.enter(i)
             hooks.before_layer(i, h)
             x = self.norm(h, layer.attn_norm, ws)
-            o = self.attention(i, layer, x, start_position, cache, ws)
+            o = self.attention(i, layer, x, rows, ws)
             a = self.post_norm(o, layer.post_attention_norm, ws)
             hooks.after_attention(i, a)
             h += a
@@ -240,8 +244,8 @@ class Gemma3Forward:
             h += m
             hooks.after_layer(i, h)
 
-        cache.length = start_position + T
-        return final_norm_and_logits(h, w.output_norm, c.rms_norm_eps, ws, hooks, self.lm_head, c.vocab_size,
+        rows.finish()
+        return final_norm_and_logits(h, w.output_norm, c.rms_norm_eps, rows, hooks, self.lm_head, c.vocab_size,
                                      all_logits)
 
     def embed(self, token_ids: np.ndarray, out: np.ndarray) -> None:
@@ -257,10 +261,10 @@ class Gemma3Forward:
         """RMSNorm(o, weight) in place (the sandwich norm after attention and MLP)."""
         return rms_norm(o, weight, self.config.rms_norm_eps, o, ws.row_scratch)
 
-    def attention(self, i: int, layer: LayerWeights, x: np.ndarray, start_position: int,
-                  cache: LayeredKVCache, ws: Workspace) -> np.ndarray:
+    def attention(self, i: int, layer: LayerWeights, x: np.ndarray, rows: Rows, ws: Workspace) -> np.ndarray:
         """o = attention(q, k, v) Woᵀ, q, k, v = x Wqᵀ, x Wkᵀ, x Wvᵀ with q, k RMSNorm-ed per head then
-        rotated with layer i's rope; k, v go to layer i's cache. Returns ws.attention_output."""
+        rotated with layer i's rope; each row attends over its own sequence's keys, within the window on
+        a sliding layer (k, v go to layer i's cache). Returns ws.attention_output."""
         c = self.config
         T, hd, n_head, n_kv, eps = len(x), c.head_dim, c.head_count, c.head_count_kv, c.rms_norm_eps
         q_width, kv_width = n_head * hd, n_kv * hd
@@ -271,26 +275,14 @@ class Gemma3Forward:
         k_spread = ws.head_spread[:, :n_kv] if ws.head_spread is not None else None
         rms_norm(q, layer.q_norm, eps, q, ws.head_scratch, ws.head_spread)
         rms_norm(k, layer.k_norm, eps, k, ws.head_scratch[:, :n_kv], k_spread)
-        positions = slice(start_position, start_position + T)
         cos_table, sin_table = self.layer_rope[i]
-        cos, sin = cos_table[positions], sin_table[positions]
+        cos, sin = rows.take(cos_table, T), rows.take(sin_table, T)
         k_scratch = ws.rope_scratch[:, :, :n_kv] if ws.rope_scratch is not None else None
         apply_rope(q, cos, sin, c.rope_layout, c.rope_dim, ws.rope_a, ws.rope_b, ws.rope_scratch)
         apply_rope(k, cos, sin, c.rope_layout, c.rope_dim, ws.rope_a[:, :n_kv], ws.rope_b[:, :n_kv],
                    k_scratch)
-        keys, values, key_positions = cache.store(i, start_position, k, v)
-        window = self.layer_window[i]
-        if window and T > 1:
-            # sliding layer, a batch: each query chunk against the keys its window reaches
-            sliding_prefill_attention(q, keys, values, key_positions, start_position, window,
-                                      c.attention_scale, ws.attention_heads)
-        else:
-            # full layer: the keys are positions 0…end−1 in order, no window (attention skips each
-            # prefill chunk's future keys); sliding layer, one row: the ring holds exactly the
-            # visible window, so nothing is masked
-            attention(q, keys, values, start_position=start_position, scale=c.attention_scale,
-                      out=ws.attention_heads, score_buffer=ws.score_buffer, row_scratch=ws.score_scratch,
-                      spread_buffer=ws.score_spread)
+        rows.attend(i, q, k, v, scale=c.attention_scale, window=self.layer_window[i], out=ws.attention_heads,
+                    ws=ws)
         return linear(ws.attention_heads, layer.attn_output, ws.attention_output)
 
     def mlp(self, layer: LayerWeights, y: np.ndarray, ws: Workspace) -> np.ndarray:
@@ -316,25 +308,6 @@ class Gemma3Forward:
         """Final norm + LM head (+ softcap) over any residual rows (contract v0.2 readout)."""
         return readout_logits(hidden_rows, self.weights.output_norm, self.config.rms_norm_eps, self.lm_head,
                               out)
-
-
-def sliding_prefill_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, key_positions: np.ndarray,
-                              start_position: int, window: int, scale: float, out: np.ndarray) -> None:
-    """Attention of a batch on a sliding layer, one query chunk at a time over only the keys its window
-    can reach (keys in ascending position order, as `SlidingWindowKV.store` returns them for a batch).
-
-    Same result as one `attention` call over every key with the mask, without scoring a long prompt's
-    rows against thousands of keys that are all masked.
-    """
-    token_count = q.shape[0]
-    for first_row in range(0, token_count, PREFILL_QUERY_CHUNK):
-        last_row = min(first_row + PREFILL_QUERY_CHUNK, token_count)
-        oldest = int(np.searchsorted(key_positions, start_position + first_row - window + 1))
-        newest = int(np.searchsorted(key_positions, start_position + last_row - 1, side="right"))
-        reach = slice(oldest, newest)
-        attention(q[first_row:last_row], keys[:, reach], values[:, reach],
-                  start_position=start_position + first_row, scale=scale, out=out[first_row:last_row],
-                  key_positions=key_positions[reach], sliding_window=window)
 
 
 def build_forward(config: Gemma3Config, store: WeightStore, context_length: int) -> Gemma3Forward:

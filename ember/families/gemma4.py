@@ -45,10 +45,12 @@ from ember.buffers import aligned_zeros
 from ember.config import MetadataReader, ModelConfig, RopeLayout
 from ember.errors import GGUFError
 from ember.families.head import final_norm_and_logits, readout_logits
+from ember.families.workspace import head_of
 from ember.gguf_file import GGUFFile
 from ember.kv_cache import LayeredKVCache
-from ember.ops import apply_rope, attention, gather_rows, gelu_tanh_inplace, linear, rms_norm
+from ember.ops import apply_rope, gather_rows, gelu_tanh_inplace, linear, rms_norm
 from ember.phases import ExecutionPhase, ModelFamily
+from ember.rows import Rows, SequenceRows
 from ember.weights import WeightStore
 
 
@@ -347,6 +349,9 @@ class Workspace:
         self.final_row_scratch = aligned_zeros((1, 1))
         self.logits = aligned_zeros((1, c.vocab_size))
 
+    def head(self, rows: int) -> Workspace:
+        return head_of(self, rows)
+
     def view(self, flat: np.ndarray, *shape: int) -> np.ndarray:
         """A contiguous view of the first prod(shape) values of a flat buffer."""
         return flat[: int(np.prod(shape))].reshape(shape)
@@ -396,14 +401,14 @@ class Gemma4Forward:
         context *= self.ple_combine_scale
         return ple
 
-    def rope(self, start_position: int, T: int, ws: Workspace) -> None:
+    def rope(self, rows: Rows, T: int, ws: Workspace) -> None:
         """cos/sin of both layer kinds for the evaluated positions (formed per evaluation, no table)."""
         positions = ws.positions[:T]
-        positions[:, 0] = (start_position + np.arange(T, dtype=np.float64)) / self.config.rope_linear_factor
+        positions[:, 0] = rows.positions(T) / self.config.rope_linear_factor
         np.multiply(positions, self.inverse_frequency_full, out=ws.cos_full[:T])
         np.sin(ws.cos_full[:T], out=ws.sin_full[:T])
         np.cos(ws.cos_full[:T], out=ws.cos_full[:T])
-        positions[:, 0] = start_position + np.arange(T, dtype=np.float64)
+        positions[:, 0] = rows.positions(T)
         np.multiply(positions, self.inverse_frequency_swa, out=ws.cos_swa[:T])
         np.sin(ws.cos_swa[:T], out=ws.sin_swa[:T])
         np.cos(ws.cos_swa[:T], out=ws.cos_swa[:T])
@@ -414,19 +419,24 @@ class Gemma4Forward:
                 hooks, phase: ExecutionPhase, *, all_logits: bool = False) -> np.ndarray:
         """Evaluate token_ids at positions start_position…; return logits of the last row
         ([1, V], a workspace view) or of every row ([T, V], new) when all_logits."""
-        c, w = self.config, self.weights
-        T = len(token_ids)
-        hooks.begin_evaluation(phase, start_position, T)
+        return self.evaluate(SequenceRows(token_ids, start_position, cache, ws), hooks, phase,
+                             all_logits=all_logits)
 
-        h = ws.hidden
-        self.embed(token_ids, h)
-        ple = self.per_layer_inputs(token_ids, h, ws) if c.per_layer_input_dim else None
-        self.rope(start_position, T, ws)
-        shared_kv: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+    def evaluate(self, rows: Rows, hooks, phase: ExecutionPhase, *, all_logits: bool = False) -> np.ndarray:
+        """Evaluate `rows` (one sequence over a cache, or a batch: `ember.rows`); the logits of each
+        sequence's last row, or of every row when all_logits."""
+        c, w = self.config, self.weights
+        rows.begin(hooks, phase)
+
+        ws, T = rows.ws, rows.count
+        self.embed(rows.token_ids, ws.hidden)
+        ple = self.per_layer_inputs(rows.token_ids, ws.hidden, ws) if c.per_layer_input_dim else None
+        self.rope(rows, T, ws)
         for i, layer in enumerate(w.layers):
+            h, ws = rows.enter(i)
             hooks.before_layer(i, h)
             x = self.norm(h, layer.attn_norm, ws)
-            o = self.attention(i, layer, x, start_position, cache, shared_kv, ws)
+            o = self.attention(i, layer, x, rows, ws)
             a = self.post_norm(o, layer.post_attention_norm, ws)
             hooks.after_attention(i, a)
             h += a
@@ -440,8 +450,8 @@ class Gemma4Forward:
                 h *= np.float32(layer.output_scale)
             hooks.after_layer(i, h)
 
-        cache.length = start_position + T
-        return final_norm_and_logits(h, w.output_norm, c.rms_norm_eps, ws, hooks, self.lm_head, c.vocab_size,
+        rows.finish()
+        return final_norm_and_logits(h, w.output_norm, c.rms_norm_eps, rows, hooks, self.lm_head, c.vocab_size,
                                      all_logits)
 
     # -- the steps of a layer ----------------------------------------------------------------
@@ -454,13 +464,11 @@ class Gemma4Forward:
         """RMSNorm(o, weight) in place (after attention, MLP and the PLE term)."""
         return rms_norm(o, weight, self.config.rms_norm_eps, o, ws.row_scratch)
 
-    def attention(self, i: int, layer: LayerWeights, x: np.ndarray, start_position: int,
-                  cache: LayeredKVCache, shared_kv: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]],
-                  ws: Workspace) -> np.ndarray:
+    def attention(self, i: int, layer: LayerWeights, x: np.ndarray, rows: Rows, ws: Workspace) -> np.ndarray:
         """o = attention(q, k, v) Woᵀ with layer i's geometry and rope: q = rope(RMSNorm(x Wqᵀ)) per head;
-        a layer that owns K/V forms k = rope(RMSNorm(x Wkᵀ)), v = RMSNorm(x Wvᵀ or the raw k), stores them
-        and keeps them in `shared_kv` for the layers sharing them; a shared layer reads its source's.
-        Returns ws.attention_output."""
+        a layer that owns K/V forms k = rope(RMSNorm(x Wkᵀ)), v = RMSNorm(x Wvᵀ or the raw k) (stored, and
+        kept for the layers sharing them); a shared layer reads its source's. Each row attends over its
+        own sequence's keys. Returns ws.attention_output."""
         c = self.config
         T, n_head, eps = len(x), c.head_count, c.rms_norm_eps
         sliding = c.sliding[i]
@@ -476,6 +484,8 @@ class Gemma4Forward:
         q = projected[:, :q_width].reshape(T, n_head, hd)
         rms_norm(q, layer.q_norm, eps, q, ws.head_scratch[:T, :n_head])
         apply_rope(q, cos, sin, RopeLayout.NEOX, rope_dim, *rope_scratch)
+        heads = ws.view(ws.heads, T, q_width)
+        window = c.sliding_window if sliding else 0
         if c.owns_kv(i):
             k = projected[:, q_width:q_width + kv_width].reshape(T, n_kv, hd)
             if layer.has_v:
@@ -486,13 +496,9 @@ class Gemma4Forward:
             rms_norm(k, layer.k_norm, eps, k, ws.head_scratch[:T, :n_kv])
             rms_norm(v, None, eps, v, ws.head_scratch[:T, :n_kv])
             apply_rope(k, cos, sin, RopeLayout.NEOX, rope_dim, *(s[:, :n_kv] for s in rope_scratch))
-            shared_kv[i] = cache.store(i, start_position, k, v)
-        keys, values, key_positions = shared_kv[c.kv_source[i]]
-        heads = ws.view(ws.heads, T, q_width)
-        row_scratch = ws.score_scratch.reshape(n_kv, n_head // n_kv, 1) if T == 1 else None
-        attention(q, keys, values, start_position=start_position, scale=1.0, out=heads,
-                  score_buffer=ws.score_buffer, row_scratch=row_scratch, key_positions=key_positions,
-                  sliding_window=c.sliding_window if sliding else 0)
+            rows.attend(i, q, k, v, scale=1.0, window=window, out=heads, ws=ws, keep=True)
+        else:
+            rows.attend_shared(i, c.kv_source[i], q, scale=1.0, window=window, out=heads, ws=ws)
         return linear(heads, layer.attn_output, ws.attention_output)
 
     def mlp(self, i: int, layer: LayerWeights, y: np.ndarray, ws: Workspace) -> np.ndarray:

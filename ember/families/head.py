@@ -10,30 +10,40 @@ import numpy as np
 from ember.ops import rms_norm
 
 
-def final_norm_and_logits(hidden: np.ndarray, output_norm: np.ndarray, eps: float, ws: Any, hooks: Any,
+def final_norm_and_logits(hidden: np.ndarray, output_norm: np.ndarray, eps: float, rows: Any, hooks: Any,
                           lm_head: Callable[[np.ndarray, np.ndarray], np.ndarray], vocab_size: int,
                           all_logits: bool) -> np.ndarray:
     """z = RMSNorm(h[last]) → before_logits; logits = lm_head(z) → after_logits.
 
-    Returns the last row's logits ([1, V], a workspace view), or with all_logits those of every row
-    ([T, V], new). `ws` provides normed/row_scratch (T rows), final_normed/final_row_scratch and logits
-    (one row); `lm_head(normed, out)` is the family's head including its post-processing (softcap).
+    `rows` (`ember.rows`): one sequence, whose last row's logits are returned ([1, V], a workspace
+    view), or a batch, each of whose sequences' last row's logits are ([sequences, V], new, in stack
+    order). With all_logits, those of every row ([rows, V], new), the hooked ones included.
+    `lm_head(normed, out)` is the family's head including its post-processing (softcap).
     """
-    rows = hidden.shape[0]
-    if all_logits:
-        normed = rms_norm(hidden, output_norm, eps, ws.normed, ws.row_scratch)
-        last_normed = normed[rows - 1:]
+    count = hidden.shape[0]
+    ws = rows.ws
+    last = rows.last_rows()
+    if last is None:  # one sequence: its last row, in the workspace's one-row buffers
+        last_normed = rms_norm(hidden[count - 1:], output_norm, eps, ws.final_normed, ws.final_row_scratch)
+        out = ws.logits
     else:
-        last_normed = rms_norm(hidden[rows - 1:], output_norm, eps, ws.final_normed, ws.final_row_scratch)
+        last_normed = rms_norm(hidden[last], output_norm, eps, np.empty((len(last), hidden.shape[1]), np.float32),
+                               np.empty((len(last), 1), np.float32))
+        out = np.empty((len(last), vocab_size), np.float32)
     hooks.before_logits(last_normed)
-    logits = lm_head(last_normed, ws.logits)
+    logits = lm_head(last_normed, out)
     hooks.after_logits(logits)
     if not all_logits:
         return logits
-    every = np.empty((rows, vocab_size), np.float32)
-    if rows > 1:
-        lm_head(normed[:rows - 1], every[:rows - 1])
-    every[rows - 1] = logits[0]
+    normed = rms_norm(hidden, output_norm, eps, ws.normed, ws.row_scratch)
+    every = np.empty((count, vocab_size), np.float32)
+    if last is None:  # all rows but the last as one product, as `readout_logits` splits them
+        if count > 1:
+            lm_head(normed[:count - 1], every[:count - 1])
+        every[count - 1] = logits[0]
+    else:
+        lm_head(normed, every)
+        every[last] = logits
     return every
 
 

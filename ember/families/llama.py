@@ -28,8 +28,9 @@ from ember.families.head import final_norm_and_logits, readout_logits
 from ember.families.workspace import Workspace
 from ember.gguf_file import GGUFFile
 from ember.kv_cache import KVCache
-from ember.ops import apply_rope, attention, gather_rows, linear, rms_norm, rope_tables, silu_inplace
+from ember.ops import apply_rope, gather_rows, linear, rms_norm, rope_tables, silu_inplace
 from ember.phases import ExecutionPhase, ModelFamily
+from ember.rows import Rows, SequenceRows
 from ember.weights import WeightStore
 
 FAMILY_OF_ARCHITECTURE = {"llama": ModelFamily.LLAMA, "qwen3": ModelFamily.QWEN3}
@@ -192,16 +193,21 @@ class LlamaForward:
                 hooks, phase: ExecutionPhase, *, all_logits: bool = False) -> np.ndarray:
         """Evaluate token_ids at positions start_position…; return logits of the last row
         ([1, V], a workspace view) or of every row ([T, V], new) when all_logits."""
-        c, w = self.config, self.weights
-        T = len(token_ids)
-        hooks.begin_evaluation(phase, start_position, T)
+        return self.evaluate(SequenceRows(token_ids, start_position, cache, ws), hooks, phase,
+                             all_logits=all_logits)
 
-        h = ws.hidden
-        self.embed(token_ids, h)
+    def evaluate(self, rows: Rows, hooks, phase: ExecutionPhase, *, all_logits: bool = False) -> np.ndarray:
+        """Evaluate `rows` (one sequence over a cache, or a batch: `ember.rows`); the logits of each
+        sequence's last row, or of every row when all_logits."""
+        c, w = self.config, self.weights
+        rows.begin(hooks, phase)
+
+        self.embed(rows.token_ids, rows.hidden)
         for i, layer in enumerate(w.layers):
+            h, ws = rows.enter(i)
             hooks.before_layer(i, h)
             x = self.norm(h, layer.attn_norm, ws)
-            a = self.attention(i, layer, x, start_position, cache, ws)
+            a = self.attention(i, layer, x, rows, ws)
             hooks.after_attention(i, a)
             h += a
             y = self.norm(h, layer.ffn_norm, ws)
@@ -210,18 +216,18 @@ class LlamaForward:
             h += m
             hooks.after_layer(i, h)
 
-        cache.length = start_position + T
-        return final_norm_and_logits(h, w.output_norm, c.rms_norm_eps, ws, hooks, self.lm_head,
+        rows.finish()
+        return final_norm_and_logits(h, w.output_norm, c.rms_norm_eps, rows, hooks, self.lm_head,
                                      c.vocab_size, all_logits)
 
     def norm(self, h: np.ndarray, weight: np.ndarray, ws: Workspace) -> np.ndarray:
         """RMSNorm(h, weight) into ws.normed."""
         return rms_norm(h, weight, self.config.rms_norm_eps, ws.normed, ws.row_scratch)
 
-    def attention(self, i: int, layer: LayerWeights, x: np.ndarray, start_position: int, cache: KVCache,
-                  ws: Workspace) -> np.ndarray:
+    def attention(self, i: int, layer: LayerWeights, x: np.ndarray, rows: Rows, ws: Workspace) -> np.ndarray:
         """a = attention(rope(q), rope(k), v) Woᵀ with q, k, v = x Wqᵀ, x Wkᵀ, x Wvᵀ (qwen3: q, k
-        RMSNorm-ed per head before rope); k, v go to layer i's cache. Returns ws.attention_output."""
+        RMSNorm-ed per head before rope); each row attends over its own sequence's keys (k, v go to
+        layer i's cache). Returns ws.attention_output."""
         c = self.config
         T, hd, n_head, n_kv = len(x), c.head_dim, c.head_count, c.head_count_kv
         q_width, kv_width = n_head * hd, n_kv * hd
@@ -233,16 +239,12 @@ class LlamaForward:
             k_spread = ws.head_spread[:, :n_kv] if ws.head_spread is not None else None
             rms_norm(q, layer.q_norm, c.rms_norm_eps, q, ws.head_scratch, ws.head_spread)
             rms_norm(k, layer.k_norm, c.rms_norm_eps, k, ws.head_scratch[:, :n_kv], k_spread)
-        positions = slice(start_position, start_position + T)
-        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        cos, sin = rows.take(self.rope_cos, T), rows.take(self.rope_sin, T)
         k_scratch = ws.rope_scratch[:, :, :n_kv] if ws.rope_scratch is not None else None
         apply_rope(q, cos, sin, c.rope_layout, c.rope_dim, ws.rope_a, ws.rope_b, ws.rope_scratch)
         apply_rope(k, cos, sin, c.rope_layout, c.rope_dim, ws.rope_a[:, :n_kv], ws.rope_b[:, :n_kv],
                    k_scratch)
-        keys, values = cache.store(i, start_position, k, v)
-        attention(q, keys, values, start_position=start_position, scale=self.scale,
-                  out=ws.attention_heads, score_buffer=ws.score_buffer, row_scratch=ws.score_scratch,
-                  spread_buffer=ws.score_spread)
+        rows.attend(i, q, k, v, scale=self.scale, window=0, out=ws.attention_heads, ws=ws)
         return linear(ws.attention_heads, layer.attn_output, ws.attention_output)
 
     def mlp(self, layer: LayerWeights, y: np.ndarray, ws: Workspace) -> np.ndarray:

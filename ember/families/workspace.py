@@ -3,8 +3,24 @@
 
 from __future__ import annotations
 
+import copy
+from typing import Any
+
+import numpy as np
+
 from ember.buffers import aligned_zeros
 from ember.config import ModelConfig
+
+
+def head_of(ws: Any, rows: int) -> Any:
+    """A copy of workspace `ws` whose row buffers ([ws.rows, …] arrays) are views of their first `rows`
+    rows: a batch's layers that evaluate fewer rows than the batch holds (`ember.rows.BatchRows`)."""
+    cut = copy.copy(ws)
+    for name, value in vars(ws).items():
+        if isinstance(value, np.ndarray) and value.ndim >= 2 and value.shape[0] == ws.rows:
+            setattr(cut, name, value[:rows])
+    cut.rows = rows
+    return cut
 
 
 class Workspace:
@@ -39,3 +55,6 @@ class Workspace:
         self.final_normed = aligned_zeros((1, H))
         self.final_row_scratch = aligned_zeros((1, 1))
         self.logits = aligned_zeros((1, config.vocab_size))
+
+    def head(self, rows: int) -> Workspace:
+        return head_of(self, rows)

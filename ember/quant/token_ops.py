@@ -104,6 +104,76 @@ def attend(q, keys, values, key_count, scale, position, key_positions, window, s
                     out[h, c] += weight * values[kv, j, c]
 
 
+@njit(fastmath=FLAGS, cache=True, nogil=True)
+def ragged_attention(q, k, v, prefix_keys, prefix_values, offsets, starts, prefix_index, prefix_length, own,
+                     row_entry, row_positions, scale, window, first_row, stop_row, out):
+    """Grouped-query attention of rows first_row…stop_row−1 of a batch of sequences (`ember.rows`).
+
+    q [R, n_head, hd]; k, v [R', n_kv, hd] the batch's own rows (R' ≥ R); row r belongs to sequence
+    e = row_entry[r] (rows offsets[e]… of the stack, positions starts[e]…) and sits at row_positions[r].
+    Its keys: the saved ones of prefix prefix_index[e] at positions 0…prefix_length[e]−1
+    (prefix_keys/values [prefixes, n_kv, T, hd]), then, when own[e], its sequence's own rows up to
+    itself. A key at position p is seen when p ≤ the row's position and, with a sliding `window` > 0,
+    when the row's position − p < window. out [R, n_head, hd_v].
+    """
+    head_count, head_dim = q.shape[1], q.shape[2]
+    kv_count = k.shape[1]
+    group = head_count // kv_count
+    value_dim = v.shape[2]
+    longest = prefix_keys.shape[2] + (stop_row - first_row) + 1
+    for r in range(first_row, stop_row):
+        longest = max(longest, prefix_length[row_entry[r]] + r - offsets[row_entry[r]] + 1)
+    scores = np.empty(longest, np.float32)
+    for r in range(first_row, stop_row):
+        e = row_entry[r]
+        position = row_positions[r]
+        source = prefix_index[e]
+        saved = prefix_length[e]
+        own_first = offsets[e]
+        own_last = r if own[e] else own_first - 1
+        for h in range(head_count):
+            kv = h // group
+            largest = -np.inf
+            n = 0
+            for j in range(saved):
+                if j > position or (window > 0 and position - j >= window):
+                    scores[n] = -np.inf
+                else:
+                    total = np.float32(0.0)
+                    for c in range(head_dim):
+                        total += q[r, h, c] * prefix_keys[source, kv, j, c]
+                    scores[n] = total * scale
+                    largest = max(largest, scores[n])
+                n += 1
+            for j in range(own_first, own_last + 1):
+                key_position = starts[e] + j - own_first
+                if window > 0 and position - key_position >= window:
+                    scores[n] = -np.inf
+                else:
+                    total = np.float32(0.0)
+                    for c in range(head_dim):
+                        total += q[r, h, c] * k[j, kv, c]
+                    scores[n] = total * scale
+                    largest = max(largest, scores[n])
+                n += 1
+            norm = np.float32(0.0)
+            for j in range(n):
+                scores[j] = np.exp(scores[j] - largest)
+                norm += scores[j]
+            for c in range(value_dim):
+                out[r, h, c] = 0.0
+            for j in range(saved):
+                weight = scores[j] / norm
+                if weight != 0.0:
+                    for c in range(value_dim):
+                        out[r, h, c] += weight * prefix_values[source, kv, j, c]
+            for j in range(own_first, own_last + 1):
+                weight = scores[saved + j - own_first] / norm
+                if weight != 0.0:
+                    for c in range(value_dim):
+                        out[r, h, c] += weight * v[j, kv, c]
+
+
 def warm_up() -> None:
     """Compile (or load from the cache) every function with the types decode passes."""
     rows = np.ones((1, 16), np.float32)
@@ -117,3 +187,9 @@ def warm_up() -> None:
     for keys in (cache, view):  # the cache's own arrays (sliding windows) or read-only views of it
         attend(heads[0], keys, keys, 3, 1.0, 2, np.arange(3), 0, np.empty((2, 3), np.float32),
                np.empty((2, 8), np.float32))
+    rows = np.ones((2, 2, 8), np.float32)
+    saved = np.ones((1, 1, 2, 8), np.float32)
+    one = np.ones(1, np.int64)
+    ragged_attention(rows, rows[:, :1].copy(), rows[:, :1].copy(), saved, saved, np.array([0, 2]),
+                     np.zeros(1, np.int64), np.zeros(1, np.int64), one, one, np.zeros(2, np.int64),
+                     np.arange(2), np.float32(1.0), 0, 0, 2, np.empty((2, 2, 8), np.float32))

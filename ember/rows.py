@@ -1,0 +1,404 @@
+"""Which rows an evaluation computes, and the attention that ties each row to its own sequence.
+
+A family's forward pass is written once, over `rows`:
+
+    for i, layer in enumerate(layers):
+        h, ws = rows.enter(i)                    # the residual rows evaluated from layer i on
+        ...  q, k, v (rope at rows.take(cos_table, T)) ...
+        heads = rows.attend(i, q, k, v, ...)     # each row against the keys of its own sequence
+        ...
+    logits = final_norm_and_logits(h, ..., rows)
+
+Two kinds of rows:
+
+* `SequenceRows`: one sequence at positions start… over a KV cache (generation: prefill and decode).
+  `enter` returns the whole workspace; `attend` stores k, v in the cache and attends over it.
+* `BatchRows`: several sequences of any lengths stacked into one workspace ([sum of lengths, hidden]),
+  so that every matrix product runs once over all of them (`ember.batch`). A sequence may start from
+  the saved state of an earlier evaluation (prefix reuse): its rows start at position `start` (the
+  positions before read the saved keys and values) and at layer `first_layer` (the layers before are
+  the saved run's: its rows join the batch there, with the saved residual). Sequences are stacked in
+  order of their first layer, so the rows evaluated at layer i are always the first `live[i]` rows.
+
+Everything here is bookkeeping and attention; the math of a layer stays in the family's file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ember import ops, parallel
+from ember.ops import attention, sliding_window_attention
+
+
+@dataclass(slots=True)
+class SavedState:
+    """What later evaluations of tokens that agree with these may start from: the residual entering
+    every layer ([T, H] each) and every layer's keys and values as attention reads them
+    ([kv heads, T, head dim]; None for a layer that reads another layer's, Gemma 4's shared KV)."""
+
+    token_ids: np.ndarray
+    residual: list[np.ndarray]
+    keys: list[np.ndarray | None]
+    values: list[np.ndarray | None]
+
+    @property
+    def nbytes(self) -> int:
+        arrays = [*self.residual, *(k for k in self.keys if k is not None),
+                  *(v for v in self.values if v is not None)]
+        return sum(int(a.nbytes) for a in arrays)
+
+
+@dataclass(frozen=True, slots=True)
+class BatchEntry:
+    """One sequence of a batch: `token_ids` is the whole sequence (positions 0…T−1); its rows
+    `start`…T−1 are evaluated from layer `first_layer` on. `start` > 0 or `first_layer` > 0 needs
+    `prefix`, the saved evaluation those positions and layers are taken from; `save` keeps this
+    evaluation's state; `tag` is shown to the hooks with the sequence (the experiment's own label)."""
+
+    token_ids: np.ndarray
+    start: int = 0
+    first_layer: int = 0
+    prefix: SavedState | None = None
+    save: bool = False
+    tag: Any = None
+
+    @property
+    def rows(self) -> int:
+        return len(self.token_ids) - self.start
+
+
+def check_entry(entry: BatchEntry, layer_count: int) -> None:
+    """Refuse an entry whose reuse would not mean what it says (ValueError naming the field)."""
+    T = len(entry.token_ids)
+    if T == 0:
+        raise ValueError("a batch entry has no tokens")
+    if not 0 <= entry.start < T:
+        raise ValueError(f"start {entry.start} is outside the sequence's {T} positions")
+    if not 0 <= entry.first_layer < layer_count:
+        raise ValueError(f"first_layer {entry.first_layer} is outside 0…{layer_count - 1}")
+    if entry.prefix is None:
+        if entry.start or entry.first_layer:
+            raise ValueError("start and first_layer need a prefix (a saved evaluation)")
+        return
+    saved = entry.prefix.token_ids
+    # Positions before `start` read the saved keys: their tokens must be the saved run's. Layers before
+    # `first_layer` are not computed at all: then every token must be the saved run's.
+    agree = T if entry.first_layer else entry.start
+    if len(saved) < agree or not np.array_equal(saved[:agree], entry.token_ids[:agree]):
+        what = "all its tokens" if entry.first_layer else f"its first {agree} tokens"
+        raise ValueError(f"a sequence reusing a saved evaluation must share {what} with it")
+
+
+class SequenceRows:
+    """One sequence at positions start_position…start_position+T−1 over a KV cache."""
+
+    def __init__(self, token_ids: np.ndarray, start_position: int, cache: Any, ws: Any) -> None:
+        self.token_ids = token_ids
+        self.start_position = start_position
+        self.count = len(token_ids)
+        self.cache = cache
+        self.ws = ws
+        self.kept: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray | None]] = {}
+
+    @property
+    def hidden(self) -> np.ndarray:
+        return self.ws.hidden
+
+    def begin(self, hooks: Any, phase: Any) -> None:
+        hooks.begin_evaluation(phase, self.start_position, self.count)
+
+    def enter(self, layer: int) -> tuple[np.ndarray, Any]:
+        return self.ws.hidden, self.ws
+
+    def take(self, table: np.ndarray, rows: int) -> np.ndarray:
+        """The rows of a per-position table (rope's cos or sin) for the evaluated positions."""
+        return table[self.start_position:self.start_position + rows]
+
+    def positions(self, rows: int) -> np.ndarray:
+        return np.arange(self.start_position, self.start_position + rows, dtype=np.float64)
+
+    def attend(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, *, scale: float, window: int,
+               out: np.ndarray, ws: Any, keep: bool = False) -> np.ndarray:
+        """Store k, v at the evaluated positions of layer `layer`'s cache, then attention of q over every
+        visible key (a sliding layer's window masked). `keep`: remember them for `attend_shared`."""
+        stored = self.cache.store(layer, self.start_position, k, v)
+        keys, values = stored[0], stored[1]
+        key_positions = stored[2] if len(stored) == 3 else None
+        if keep:
+            self.kept[layer] = (keys, values, key_positions)
+        return self._attention(q, keys, values, key_positions, scale, window, out, ws)
+
+    def attend_shared(self, layer: int, source: int, q: np.ndarray, *, scale: float, window: int,
+                      out: np.ndarray, ws: Any) -> np.ndarray:
+        """Attention of q over the keys and values layer `source` stored (Gemma 4's shared KV)."""
+        keys, values, key_positions = self.kept[source]
+        return self._attention(q, keys, values, key_positions, scale, window, out, ws)
+
+    def _attention(self, q: np.ndarray, keys: np.ndarray, values: np.ndarray, key_positions: np.ndarray | None,
+                   scale: float, window: int, out: np.ndarray, ws: Any) -> np.ndarray:
+        T = q.shape[0]
+        if window and T > 1:
+            return sliding_window_attention(q, keys, values, key_positions, self.start_position, window, scale,
+                                            out)
+        score_scratch = getattr(ws, "score_scratch", None)
+        if T == 1 and score_scratch is not None:
+            kv_heads = keys.shape[0]
+            score_scratch = score_scratch.reshape(kv_heads, q.shape[1] // kv_heads, 1)
+        # a full layer's cache holds positions 0…end−1 in order (the chunks skip their future keys); a
+        # sliding layer's single row reads its ring with the positions, so nothing outside is seen
+        return attention(q, keys, values, start_position=self.start_position, scale=scale, out=out,
+                         score_buffer=getattr(ws, "score_buffer", None), row_scratch=score_scratch,
+                         spread_buffer=getattr(ws, "score_spread", None),
+                         key_positions=key_positions if window else None, sliding_window=window)
+
+    def last_rows(self) -> np.ndarray | None:
+        return None  # the last row of the workspace
+
+    def finish(self) -> None:
+        self.cache.length = self.start_position + self.count
+
+
+@dataclass(slots=True)
+class _Saving:
+    """The state of one entry being saved as it is evaluated."""
+
+    entry: int
+    residual: list[np.ndarray | None] = field(default_factory=list)
+    keys: list[np.ndarray | None] = field(default_factory=list)
+    values: list[np.ndarray | None] = field(default_factory=list)
+
+
+class BatchRows:
+    """Several sequences stacked into one workspace; see the module docstring.
+
+    `order[k]` is the entry (in the caller's order) whose rows are the k-th span of the stack; entries
+    are stacked by first layer, so `live[i]` (the rows evaluated at layer i) covers a prefix of the stack.
+    """
+
+    def __init__(self, entries: Sequence[BatchEntry], ws: Any, layer_count: int,
+                 indices: Sequence[int] | None = None) -> None:
+        self.entries = list(entries)
+        self.ws = ws
+        order = sorted(range(len(entries)), key=lambda e: entries[e].first_layer)
+        self.order = order if indices is None else [int(indices[e]) for e in order]  # the caller's indices
+        stacked = [entries[e] for e in self.order]
+        counts = np.array([e.rows for e in stacked], np.int64)
+        self.offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        self.counts = counts
+        self.starts = np.array([e.start for e in stacked], np.int64)
+        self.first_layers = np.array([e.first_layer for e in stacked], np.int64)
+        self.count = int(self.offsets[-1])
+        self.token_ids = np.concatenate([e.token_ids[e.start:] for e in stacked]).astype(np.int64)
+        self.row_positions = np.concatenate([np.arange(e.start, len(e.token_ids)) for e in stacked])
+        self.row_entry = np.repeat(np.arange(len(stacked)), counts)  # stacked entry of each row
+        # entries live at layer i: those whose first layer is ≤ i (a prefix of the stack)
+        live_entries = np.searchsorted(self.first_layers, np.arange(layer_count), side="right")
+        self.live_entries = live_entries
+        self.live = self.offsets[live_entries]
+        self.stacked = stacked
+        prefixes: list[SavedState] = []
+        for entry in stacked:
+            if entry.prefix is not None and all(entry.prefix is not p for p in prefixes):
+                prefixes.append(entry.prefix)
+        self.prefixes = prefixes
+        self.prefix_index = np.array([next((j for j, p in enumerate(prefixes) if p is e.prefix), -1)
+                                      for e in stacked], np.int64)
+        self._workspaces: dict[int, Any] = {}
+        self._taken: dict[int, np.ndarray] = {}
+        self.kept: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self.saving = [_Saving(k) for k, e in enumerate(stacked) if e.save]
+        self.saved: dict[int, SavedState] = {}  # caller's index → its saved state
+
+    @property
+    def hidden(self) -> np.ndarray:
+        return self.ws.hidden
+
+    def begin(self, hooks: Any, phase: Any) -> None:
+        hooks.begin_batch(self)
+
+    # -- layers ----------------------------------------------------------------------------------
+
+    def enter(self, layer: int) -> tuple[np.ndarray, Any]:
+        """The residual rows evaluated from layer `layer` on, with the entries whose first layer this is
+        joined (their rows take the saved residual), and the workspace cut to as many rows."""
+        first = self.live_entries[layer - 1] if layer else 0
+        for k in range(first, self.live_entries[layer]):
+            entry = self.stacked[k]
+            if entry.first_layer == layer and layer > 0:
+                assert entry.prefix is not None
+                span = slice(self.offsets[k], self.offsets[k + 1])
+                self.ws.hidden[span] = entry.prefix.residual[layer][entry.start:]
+        rows = int(self.live[layer])
+        h = self.ws.hidden[:rows]
+        for saving in self.saving:
+            self._save_residual(saving, layer, h)
+        return h, self.workspace(rows)
+
+    def workspace(self, rows: int) -> Any:
+        """The workspace's buffers cut to their first `rows` rows (views, made once per row count)."""
+        if rows == self.count:
+            return self.ws
+        ws = self._workspaces.get(rows)
+        if ws is None:
+            ws = self._workspaces[rows] = self.ws.head(rows)
+        return ws
+
+    def take(self, table: np.ndarray, rows: int) -> np.ndarray:
+        """The rows of a per-position table (rope's cos or sin) for the first `rows` rows' positions."""
+        taken = self._taken.get(id(table))
+        if taken is None:
+            taken = self._taken[id(table)] = np.ascontiguousarray(table[self.row_positions])
+        return taken[:rows]
+
+    def positions(self, rows: int) -> np.ndarray:
+        return self.row_positions[:rows].astype(np.float64)
+
+    # -- attention -------------------------------------------------------------------------------
+
+    def attend(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, *, scale: float, window: int,
+               out: np.ndarray, ws: Any, keep: bool = False) -> np.ndarray:
+        """Each row's attention over its own sequence: the saved keys before its sequence's start, then
+        its sequence's own rows up to itself (a sliding layer's window masked)."""
+        k, v = np.ascontiguousarray(k), np.ascontiguousarray(v)
+        if keep:
+            self.kept[layer] = (k, v)
+        for saving in self.saving:
+            self._save_keys(saving, layer, k, v)
+        entries = int(self.live_entries[layer])
+        prefix_keys, prefix_values, prefix_length = self._prefix(layer, entries)
+        own = np.ones(entries, np.int64)
+        return self._ragged(q, k, v, prefix_keys, prefix_values, prefix_length, own, scale, window, out)
+
+    def attend_shared(self, layer: int, source: int, q: np.ndarray, *, scale: float, window: int,
+                      out: np.ndarray, ws: Any) -> np.ndarray:
+        """Attention over the keys and values layer `source` formed (Gemma 4's shared KV). A sequence that
+        joined after `source` did not form its own there: all its keys are the saved run's."""
+        k, v = self.kept.get(source, (None, None))
+        entries = int(self.live_entries[layer])
+        prefix_keys, prefix_values, prefix_length = self._prefix(source, entries)
+        own = (self.first_layers[:entries] <= source).astype(np.int64)
+        late = own == 0
+        prefix_length[late] = self.starts[:entries][late] + self.counts[:entries][late]
+        if k is None:  # no sequence was live at the source layer
+            shape = (1, *q.shape[1:2], q.shape[2])
+            k = v = np.zeros((1, shape[1], q.shape[2]), np.float32)
+        return self._ragged(q, k, v, prefix_keys, prefix_values, prefix_length, own, scale, window, out)
+
+    def _prefix(self, layer: int, entries: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The saved keys and values of layer `layer` of every prefix, stacked ([prefixes, kv, T, hd]),
+        and how many of them each live entry reads (its start)."""
+        length = np.where(self.prefix_index[:entries] >= 0, self.starts[:entries], 0).astype(np.int64)
+        if not self.prefixes:
+            empty = np.zeros((1, 1, 1, 1), np.float32)
+            return empty, empty, length
+        longest = max(len(p.token_ids) for p in self.prefixes)
+        first = next(p.keys[layer] for p in self.prefixes)
+        assert first is not None
+        kv, _, hd = first.shape
+        keys = np.zeros((len(self.prefixes), kv, longest, hd), np.float32)
+        values = np.zeros_like(keys)
+        for j, saved in enumerate(self.prefixes):
+            saved_keys, saved_values = saved.keys[layer], saved.values[layer]
+            assert saved_keys is not None and saved_values is not None
+            keys[j, :, :saved_keys.shape[1]] = saved_keys
+            values[j, :, :saved_values.shape[1]] = saved_values
+        return keys, values, length
+
+    def _ragged(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, prefix_keys: np.ndarray,
+                prefix_values: np.ndarray, prefix_length: np.ndarray, own: np.ndarray, scale: float,
+                window: int, out: np.ndarray) -> np.ndarray:
+        rows = q.shape[0]
+        q = np.ascontiguousarray(q)
+        heads = out.reshape(rows, q.shape[1], -1)
+        entries = len(prefix_length)
+        layout = (self.offsets[:entries + 1], self.starts[:entries], self.prefix_index[:entries], prefix_length,
+                  own, self.row_entry[:rows], self.row_positions[:rows])
+        if ops.token_ops() is not None:
+            kernel = ops.token_ops().ragged_attention
+            parallel.share_ranges(rows, rows * q.shape[1] * 64, lambda start, stop: kernel(
+                q, k, v, prefix_keys, prefix_values, *layout, np.float32(scale), window, start, stop, heads))
+        else:
+            ragged_attention_numpy(q, k, v, prefix_keys, prefix_values, *layout, scale, window, heads)
+        return out
+
+    # -- the end ---------------------------------------------------------------------------------
+
+    def last_rows(self) -> np.ndarray:
+        """The stacked row of each sequence's last position, in stack order."""
+        return self.offsets[1:] - 1
+
+    def finish(self) -> None:
+        for saving in self.saving:
+            entry = self.stacked[saving.entry]
+            self.saved[self.order[saving.entry]] = SavedState(
+                entry.token_ids.copy(), saving.residual, saving.keys, saving.values)  # type: ignore[arg-type]
+
+    def _save_residual(self, saving: _Saving, layer: int, h: np.ndarray) -> None:
+        k, entry = saving.entry, self.stacked[saving.entry]
+        if layer < entry.first_layer:
+            assert entry.prefix is not None
+            saving.residual.append(entry.prefix.residual[layer].copy())
+            return
+        rows = h[self.offsets[k]:self.offsets[k + 1]]
+        saving.residual.append(self._joined(entry, entry.prefix.residual[layer] if entry.prefix else None, rows))
+
+    def _save_keys(self, saving: _Saving, layer: int, k: np.ndarray, v: np.ndarray) -> None:
+        index, entry = saving.entry, self.stacked[saving.entry]
+        while len(saving.keys) < layer:  # layers reading another's keys save none
+            saving.keys.append(None)
+            saving.values.append(None)
+        if layer < entry.first_layer:
+            assert entry.prefix is not None
+            saving.keys.append(entry.prefix.keys[layer])
+            saving.values.append(entry.prefix.values[layer])
+            return
+        span = slice(self.offsets[index], self.offsets[index + 1])
+        prefix = entry.prefix
+        saving.keys.append(self._joined(entry, prefix.keys[layer] if prefix else None,
+                                        k[span].transpose(1, 0, 2), axis=1))
+        saving.values.append(self._joined(entry, prefix.values[layer] if prefix else None,
+                                          v[span].transpose(1, 0, 2), axis=1))
+
+    @staticmethod
+    def _joined(entry: BatchEntry, saved: np.ndarray | None, own: np.ndarray, axis: int = 0) -> np.ndarray:
+        """The saved run's positions before the entry's start followed by the entry's own rows."""
+        if entry.start == 0 or saved is None:
+            return np.array(own, np.float32, copy=True)
+        before = saved[:entry.start] if axis == 0 else saved[:, :entry.start]
+        return np.concatenate([before, own], axis=axis)
+
+
+def ragged_attention_numpy(q: np.ndarray, k: np.ndarray, v: np.ndarray, prefix_keys: np.ndarray,
+                           prefix_values: np.ndarray, offsets: np.ndarray, starts: np.ndarray,
+                           prefix_index: np.ndarray, prefix_length: np.ndarray, own: np.ndarray,
+                           row_entry: np.ndarray, row_positions: np.ndarray, scale: float, window: int,
+                           out: np.ndarray) -> None:
+    """What `token_ops.ragged_attention` computes, in NumPy (where numba cannot run): per sequence, its
+    keys (the saved ones before its start, then its own rows) and `ember.ops.attention` over them."""
+    for e in range(len(starts)):
+        span = slice(int(offsets[e]), int(offsets[e + 1]))
+        if span.start == span.stop:
+            continue
+        parts_k, parts_v = [], []
+        if prefix_length[e]:
+            source = int(prefix_index[e])
+            parts_k.append(prefix_keys[source, :, :prefix_length[e]])
+            parts_v.append(prefix_values[source, :, :prefix_length[e]])
+        if own[e]:
+            parts_k.append(k[span].transpose(1, 0, 2))
+            parts_v.append(v[span].transpose(1, 0, 2))
+        keys, values = np.concatenate(parts_k, axis=1), np.concatenate(parts_v, axis=1)
+        rows = span.stop - span.start
+        key_positions = np.arange(keys.shape[1])
+        heads = np.empty((rows, q.shape[1] * values.shape[2]), np.float32)
+        attention(q[span], keys, values, start_position=int(starts[e]), scale=float(scale), out=heads,
+                  key_positions=key_positions, sliding_window=window)
+        out[span] = heads.reshape(rows, q.shape[1], -1)
+
+
+Rows = SequenceRows | BatchRows
