@@ -15,8 +15,13 @@ Per item (a clean prompt, a corrupted prompt of the same token count, an answer 
 
 Positions before the first token where the prompts differ are not run: their activations are identical
 in both runs (the model is causal), so the patch writes the same numbers and scores exactly 0.
-`span="all"` patches every position of a layer at once (for the residual this restores exactly 100%),
-`span="none"` runs the patch passes writing nothing (a control: exactly 0%).
+`span="all"` patches every position of a layer at once (for the residual this restores 100%),
+`span="none"` runs the patch passes writing nothing (a control: 0% up to float32 rounding).
+
+The passes are batched (contract v0.3): an item's clean and corrupted runs, then all its patched runs
+as one batch (and several items' side by side). Each patched run starts from the corrupted run's saved
+state (prefix reuse): a patch at layer l and position p evaluates only positions p… from layer l on, as
+nothing before either can change.
 
 Per item, series over layers for each site and position class: `changed_first` and `changed_last` (the
 first and last differing token), `after_changed` (the token after them) and `last` (the final
@@ -56,6 +61,7 @@ class ActivationPatching(Experiment):
     """
 
     may_write = True
+    batched = True  # contract v0.3: its hooks read each sequence's rows by `ctx.spans`
 
     def __init__(self, sites: Sequence[str] | str = SITES, layers: Sequence[int] | None = None,
                  span: str = "each", figure_items: int = 1, name: str = "activation_patching") -> None:
@@ -71,9 +77,7 @@ class ActivationPatching(Experiment):
         self.span = span
         self.figure_items = figure_items
         self._layer_count = 0
-        self._recording = False
-        self._clean: dict[tuple[str, int], np.ndarray] = {}
-        self._target: tuple[str, int, Any] | None = None  # (site, layer, rows) to patch in this pass
+        self._clean: dict[tuple[int, str, int], np.ndarray] = {}  # (item, site, layer) → the clean rows
         self._class_sums: np.ndarray | None = None        # [sites, layers, classes] sums over items
         self._class_counts: np.ndarray | None = None
         self._maps: list[dict[str, Any]] = []
@@ -93,13 +97,22 @@ class ActivationPatching(Experiment):
             raise ConfigError(f"activation_patching: layers {outside} are outside 0..{ctx.layer_count - 1}")
 
     def _site(self, site: str, ctx: LayerContext, tensor: TensorAccess) -> None:
+        """Record the clean run's activations; write them into the patched runs at their target."""
         if ctx.execution.phase is not ExecutionPhase.PREFILL:
             return
-        if self._recording:
-            self._clean[(site, ctx.layer_index)] = tensor.values().copy()
-        elif self._target is not None and self._target[0] == site and self._target[1] == ctx.layer_index:
-            rows = self._target[2]
-            tensor.values_mut()[rows] = self._clean[(site, ctx.layer_index)][rows]
+        layer = ctx.layer_index
+        for span in ctx.spans:
+            tag = span.tag
+            if tag is None:
+                continue
+            if tag[0] == "clean":
+                self._clean[(tag[1], site, layer)] = tensor.values()[span.rows].copy()
+            elif tag[2] == site and tag[3] == layer:  # ("patch", item, site, layer, first, stop)
+                clean = self._clean[(tag[1], site, layer)]
+                first, stop = tag[4], tag[5]
+                if first < stop:
+                    row = span.rows.start + first - span.start_position
+                    tensor.values_mut()[row:row + stop - first] = clean[first:stop]
 
     def before_layer(self, ctx: LayerContext, hidden: TensorAccess) -> None:
         self._site("residual", ctx, hidden)
@@ -126,13 +139,11 @@ class ActivationPatching(Experiment):
             if tuple(item.corrupted_ids or ()) == tuple(item.token_ids):
                 raise ConfigError(f"item {item.index}: the clean and corrupted prompts are the same tokens")
 
-    def evaluate_item(self, item: StudyItem) -> Generator[Evaluation, np.ndarray, ItemResult]:
+    def evaluate_item(self, item: StudyItem) -> Generator[Any, Any, ItemResult]:
         answer, wrong = item.answer_id, item.wrong_answer_id
         assert answer is not None and wrong is not None and item.corrupted_ids is not None
-        self._recording = True
-        clean = yield Evaluation(item.token_ids)
-        self._recording = False
-        corrupted = yield Evaluation(item.corrupted_ids, attach=False)
+        clean, corrupted = yield [Evaluation(item.token_ids, tag=("clean", item.index)),
+                                  Evaluation(item.corrupted_ids, attach=False, save="corrupted")]
         ld_clean = float(clean[answer] - clean[wrong])
         ld_corrupted = float(corrupted[answer] - corrupted[wrong])
         span = ld_clean - ld_corrupted
@@ -142,25 +153,33 @@ class ActivationPatching(Experiment):
         first, last_changed = int(differ[0]), int(differ[-1])
         columns: list[Any] = list(range(T)) if self.span == "each" else [self.span]
         scores = np.full((len(self.sites), len(layers), len(columns)), np.nan)
+        patches: list[tuple[int, int, int]] = []  # (site, layer, column) of each patched run
+        passes: list[Evaluation] = []
         for s, site in enumerate(self.sites):
             for j, layer in enumerate(layers):
                 for k, column in enumerate(columns):
                     if column == "all":
-                        rows: Any = slice(None)
+                        positions = (0, T)
                     elif column == "none":
-                        rows = slice(0, 0)
+                        positions = (T - 1, T - 1)  # evaluates the last position, writes nothing
                     elif column < first:
                         scores[s, j, k] = 0.0  # identical in both runs: the patch changes nothing
                         continue
                     else:
-                        rows = slice(column, column + 1)
-                    self._target = (site, layer, rows)
-                    patched = yield Evaluation(item.corrupted_ids)
-                    self._passes += 1
-                    ld = float(patched[answer] - patched[wrong])
-                    scores[s, j, k] = (ld - ld_corrupted) / span if abs(span) > 1e-6 else math.nan
-        self._target = None
-        self._clean = {}
+                        positions = (column, column + 1)
+                    patches.append((s, j, k))
+                    # the corrupted run's state up to the patch: positions before it, layers before it
+                    start = min(positions[0], T - 1)
+                    passes.append(Evaluation(item.corrupted_ids, tag=("patch", item.index, site, layer,
+                                                                      *positions),
+                                             reuse="corrupted", start=start, first_layer=layer))
+        patched = yield passes
+        for (s, j, k), logits in zip(patches, patched, strict=True):
+            self._passes += 1
+            ld = float(logits[answer] - logits[wrong])
+            scores[s, j, k] = (ld - ld_corrupted) / span if abs(span) > 1e-6 else math.nan
+        for key in [key for key in self._clean if key[0] == item.index]:
+            del self._clean[key]
         self._items += 1
         result = ItemResult(values={"logit_diff_clean": ld_clean, "logit_diff_corrupted": ld_corrupted},
                             row={"changed_positions": [int(p) for p in differ]})

@@ -20,6 +20,14 @@ Each `yield Evaluation(...)` is one prefill over a fresh cache (nothing sampled)
 hooks attached (`attach=False`: the clean model), answered with a float32 copy of the last position's
 logits. An experiment with `prepare_study` and no `evaluate_item` gets the runner's own per-item
 generation (with the intervention-effect metrics), one instance for the whole study.
+
+Contract v0.3: an experiment with `batched = True` may yield a list of evaluations (answered with a
+list of logits) and its hooks see them as one batch, each sequence's rows named by `ctx.spans` (its
+`tag`). The runner then evaluates several items' generators side by side, their requests of one step
+merged into one batch. Such an evaluation may start from a saved one of the same item (prefix reuse):
+`save=key` keeps an evaluation's state; `reuse=key, start=p, first_layer=l` evaluates only positions
+p… from layer l on, the positions before p and the layers before l taken from the saved evaluation (its
+tokens must agree up to p, and everywhere when l > 0).
 """
 
 from __future__ import annotations
@@ -57,10 +65,18 @@ class StudyItem:
 
 @dataclass(frozen=True, slots=True)
 class Evaluation:
-    """What an experiment asks the runner to evaluate: one prefill of `token_ids`."""
+    """What an experiment asks the runner to evaluate: one prefill of `token_ids`.
+
+    The fields after `attach` are contract v0.3, for experiments with `batched = True` (module docstring).
+    """
 
     token_ids: Sequence[int]
     attach: bool = True  # False: the clean model, none of this experiment's hooks
+    tag: Any = None      # shown to the hooks with this sequence (`SequenceSpan.tag`)
+    save: Any = None     # keep this evaluation's state under this key (for this item's later evaluations)
+    reuse: Any = None    # the key of a saved evaluation of this item to start from
+    start: int = 0       # with `reuse`: the first position evaluated
+    first_layer: int = 0  # with `reuse`: the first layer evaluated
 
 
 @dataclass(slots=True)

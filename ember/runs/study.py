@@ -26,11 +26,13 @@ from typing import Any
 
 import numpy as np
 
+from ember.errors import ConfigError
 from ember.experiments import BUILTIN_EXPERIMENTS, ExperimentFailure
 from ember.experiments.readout import log_softmax
 from ember.experiments.runner import ExperimentRunner
 from ember.experiments.study import Evaluation, ItemResult, StudyItem
 from ember.records.tracker import experiment_folder
+from ember.rows import BatchEntry
 from ember.runconfig import build_experiments
 from ember.runs.checkpoint import Interval
 from ember.runs.effect import LogitsRecorder, intervention_effect
@@ -47,6 +49,10 @@ DATASET_CONTEXT = "study"
 
 # Timings of one study: model evaluations, experiment code between them, and everything else.
 PROGRESS_DELAY = 3.0  # seconds a study's items take before their progress is shown
+# Items whose evaluations a batched experiment (contract v0.3) has evaluated side by side, their requests
+# of each step in one batch. Measured on SmolLM2 (residual patching of capital pairs, 2 threads): a batch
+# gains little past ~300 rows, which 8 pairs give; more items only delay the progress and checkpoints.
+ITEMS_TOGETHER = 8
 _TIMING_METRICS = ("engine_seconds", "experiment_seconds", "runner_seconds", "total_seconds")
 
 
@@ -109,16 +115,21 @@ class Study:
             # Shown only once the items have taken PROGRESS_DELAY seconds: a quick study prints its summary.
             with Progress(label, total=len(plan.items), enabled=self.progress,
                           delay=PROGRESS_DELAY) as advance:
-                for item in plan.items:
-                    if plan.driver is not None:
-                        result = _prefixed(self._drive(plan.driver, plan.driver.evaluate_item(item)),
-                                           plan.driver.name)
+                together = ITEMS_TOGETHER if getattr(plan.driver, "batched", False) else 1
+                evaluator = Evaluator(self.model, plan.driver) if plan.driver is not None else None
+                for first in range(0, len(plan.items), together):
+                    items = plan.items[first:first + together]
+                    if evaluator is not None:
+                        results = drive_together(evaluator, [plan.driver.evaluate_item(item) for item in items],
+                                                 self.clock.timed)
+                        results = [_prefixed(result, plan.driver.name) for result in results]
                     else:
-                        result = self._generate(item, run)
-                    self._collect(item, result)
+                        results = [self._generate(item, run) for item in items]
+                    for item, result in zip(items, results, strict=True):
+                        self._collect(item, result)
                     if self.checkpoint.due():
                         self._write_items()
-                    advance(1)
+                    advance(len(items))
         except ExperimentFailure as error:
             failure = error
         except KeyboardInterrupt:  # Ctrl-C or SIGTERM: keep what the items done so far showed
@@ -131,20 +142,9 @@ class Study:
         summary = self._record(failure)
         return StudyOutcome(len(self.rows), failure, summary)
 
-    def _drive(self, experiment: Any, steps: Generator[Evaluation, np.ndarray, Any] | None) -> Any:
+    def _drive(self, experiment: Any, steps: Generator[Request, Any, Any] | None) -> Any:
         """Answer an experiment's evaluation requests until it returns (its ItemResult, or None)."""
-        if steps is None:
-            return None
-        reply: np.ndarray | None = None
-        while True:
-            try:
-                request = self.clock.timed("experiment", lambda: steps.send(reply))  # noqa: B023
-            except StopIteration as done:
-                return done.value
-            reply = self.clock.timed("engine", lambda: self._evaluate(experiment, request))  # noqa: B023
-
-    def _evaluate(self, experiment: Any, request: Evaluation) -> np.ndarray:
-        return evaluate_request(self.model, experiment, request)
+        return drive_together(Evaluator(self.model, experiment), [steps], self.clock.timed)[0]
 
     def _generate(self, item: StudyItem, run: Any) -> ItemResult:
         """The runner's own per-item pass: one generation with the experiments attached."""
@@ -332,6 +332,96 @@ def evaluate_request(model: Any, experiment: Any, request: Evaluation) -> np.nda
     return logits
 
 
+Request = Evaluation | Sequence[Evaluation]
+
+
+class Evaluator:
+    """Answers one experiment's evaluation requests, each tagged with the generator (`scope`: an item)
+    that asked. A batched experiment's (contract v0.3) are evaluated together as engine batches (the
+    attached ones and the clean ones apart), keeping saved states per scope; anyone else's one by one."""
+
+    def __init__(self, model: Any, experiment: Any) -> None:
+        self.model = model
+        self.experiment = experiment
+        self.batched = bool(getattr(experiment, "batched", False))
+        self.saved: dict[tuple[int, Any], Any] = {}
+
+    def answer(self, requests: Sequence[tuple[int, Evaluation]]) -> list[np.ndarray]:
+        if not self.batched:
+            return [evaluate_request(self.model, self.experiment, request) for _, request in requests]
+        logits: list[Any] = [None] * len(requests)
+        for attach in (False, True):
+            chosen = [i for i, (_, request) in enumerate(requests) if request.attach is attach]
+            if not chosen:
+                continue
+            entries = [self._entry(*requests[i]) for i in chosen]
+            runner = None
+            if attach:
+                runner = ExperimentRunner([self.experiment], self.model.model_context)
+                runner.on_model_loaded()
+                runner.before_prefill(0, sum(entry.rows for entry in entries))
+            result = self.model.evaluate_batch(entries, observer=runner.hooks if runner is not None else None)
+            if runner is not None:
+                runner.on_generation_complete(sum(entry.rows for entry in entries), 0, 0)
+            for k, i in enumerate(chosen):
+                logits[i] = result.logits[k]
+            for k, state in result.saved.items():
+                scope, request = requests[chosen[k]]
+                self.saved[(scope, request.save)] = state
+        return logits
+
+    def forget(self, scope: int) -> None:
+        """Drop the states a finished generator saved."""
+        for key in [key for key in self.saved if key[0] == scope]:
+            del self.saved[key]
+
+    def _entry(self, scope: int, request: Evaluation) -> BatchEntry:
+        prefix = None
+        if request.reuse is not None:
+            prefix = self.saved.get((scope, request.reuse))
+            if prefix is None:
+                raise ConfigError(f"{self.experiment.name}: no saved evaluation {request.reuse!r} to reuse "
+                                  f"(save it in an earlier step of the same item)")
+        return BatchEntry(np.asarray(request.token_ids, np.int64), request.start, request.first_layer, prefix,
+                          request.save is not None, request.tag)
+
+
+def drive_together(evaluator: Evaluator, generators: Sequence[Generator[Request, Any, Any] | None],
+                   timed: Callable[[str, Callable[[], Any]], Any] | None = None) -> list[Any]:
+    """Run study generators side by side until each returns; the requests of one step, from all of
+    them, are answered in one call (one batch for a batched experiment). Returns their return values.
+    `timed(slot, call)` times the experiment's code ("experiment") and the evaluations ("engine")."""
+    def clocked(slot: str, call: Callable[[], Any]) -> Any:
+        return timed(slot, call) if timed is not None else call()
+
+    results: list[Any] = [None] * len(generators)
+    replies: dict[int, Any] = {g: None for g, steps in enumerate(generators) if steps is not None}
+    while replies:
+        asked: list[tuple[int, Request]] = []
+        for g in list(replies):
+            steps = generators[g]
+            assert steps is not None
+            try:
+                request = clocked("experiment", lambda steps=steps, g=g: steps.send(replies[g]))
+            except StopIteration as done:
+                results[g] = done.value
+                del replies[g]
+                evaluator.forget(g)
+                continue
+            asked.append((g, request))
+        flat = [(g, r) for g, request in asked for r in (request if isinstance(request, list | tuple)
+                                                          else (request,))]
+        if not flat:
+            continue
+        answers = iter(clocked("engine", lambda flat=flat: evaluator.answer(flat)))
+        for g, request in asked:
+            if isinstance(request, list | tuple):
+                replies[g] = [next(answers) for _ in request]
+            else:
+                replies[g] = next(answers)
+    return results
+
+
 def drive(steps: Generator[Evaluation, np.ndarray, Any] | None,
           answer: Callable[[Evaluation], np.ndarray]) -> Any:
     """Answer a study generator's evaluation requests until it returns; its return value."""
@@ -348,7 +438,12 @@ def drive(steps: Generator[Evaluation, np.ndarray, Any] | None,
 
 def run_item(model: Any, experiment: Any, item: StudyItem) -> ItemResult | None:
     """One item through an experiment's own passes, as a study runs it (outside a job: tests, notebooks)."""
-    return drive(experiment.evaluate_item(item), lambda request: evaluate_request(model, experiment, request))
+    return run_items(model, experiment, [item])[0]
+
+
+def run_items(model: Any, experiment: Any, items: Sequence[StudyItem]) -> list[ItemResult | None]:
+    """Items through an experiment's own passes, side by side (batched) when the experiment is."""
+    return drive_together(Evaluator(model, experiment), [experiment.evaluate_item(item) for item in items])
 
 
 def answer_values(logits: np.ndarray, item: StudyItem) -> dict[str, float]:
