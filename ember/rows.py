@@ -139,12 +139,13 @@ class SequenceRows:
         keys, values, key_positions = self.kept[source]
         return self._attention(q, keys, values, key_positions, scale, window, out, ws)
 
-    def _attention(self, q: np.ndarray, keys: np.ndarray, values: np.ndarray, key_positions: np.ndarray | None,
-                   scale: float, window: int, out: np.ndarray, ws: Any) -> np.ndarray:
+    def _attention(self, q: np.ndarray, keys: np.ndarray, values: np.ndarray,
+                   key_positions: np.ndarray | None, scale: float, window: int, out: np.ndarray,
+                   ws: Any) -> np.ndarray:
         T = q.shape[0]
         if window and T > 1:
-            return sliding_window_attention(q, keys, values, key_positions, self.start_position, window, scale,
-                                            out)
+            return sliding_window_attention(q, keys, values, key_positions, self.start_position, window,
+                                            scale, out)
         score_scratch = getattr(ws, "score_scratch", None)
         if T == 1 and score_scratch is not None:
             kv_heads = keys.shape[0]
@@ -316,8 +317,8 @@ class BatchRows:
         q = np.ascontiguousarray(q)
         heads = out.reshape(rows, q.shape[1], -1)
         entries = len(prefix_length)
-        layout = (self.offsets[:entries + 1], self.starts[:entries], self.prefix_index[:entries], prefix_length,
-                  own, self.row_entry[:rows], self.row_positions[:rows])
+        layout = (self.offsets[:entries + 1], self.starts[:entries], self.prefix_index[:entries],
+                  prefix_length, own, self.row_entry[:rows], self.row_positions[:rows])
         if ops.token_ops() is not None:
             kernel = ops.token_ops().ragged_attention
             parallel.share_ranges(rows, rows * q.shape[1] * 64, lambda start, stop: kernel(
@@ -345,7 +346,8 @@ class BatchRows:
             saving.residual.append(entry.prefix.residual[layer].copy())
             return
         rows = h[self.offsets[k]:self.offsets[k + 1]]
-        saving.residual.append(self._joined(entry, entry.prefix.residual[layer] if entry.prefix else None, rows))
+        saved = entry.prefix.residual[layer] if entry.prefix else None
+        saving.residual.append(self._joined(entry, saved, rows))
 
     def _save_keys(self, saving: _Saving, layer: int, k: np.ndarray, v: np.ndarray) -> None:
         index, entry = saving.entry, self.stacked[saving.entry]

@@ -136,8 +136,8 @@ class ActiveHooks:
         layout = BatchLayout(tuple(int(e) for e in rows.order), tuple(int(o) for o in rows.offsets),
                              tuple(int(s) for s in rows.starts), tuple(int(f) for f in rows.first_layers),
                              tuple(entry.tag for entry in rows.stacked))
-        self._execution = ExecutionContext(self.model, ExecutionPhase.PREFILL, 0, int(rows.count), self.tracing,
-                                           layout)
+        self._execution = ExecutionContext(self.model, ExecutionPhase.PREFILL, 0, int(rows.count),
+                                           self.tracing, layout)
         self._layer = None
 
     # one method per stage: `define_stage_methods(ActiveHooks, _calls_experiments)` below

@@ -245,8 +245,8 @@ class Gemma3Forward:
             hooks.after_layer(i, h)
 
         rows.finish()
-        return final_norm_and_logits(h, w.output_norm, c.rms_norm_eps, rows, hooks, self.lm_head, c.vocab_size,
-                                     all_logits)
+        return final_norm_and_logits(h, w.output_norm, c.rms_norm_eps, rows, hooks, self.lm_head,
+                                     c.vocab_size, all_logits)
 
     def embed(self, token_ids: np.ndarray, out: np.ndarray) -> None:
         """out = E[t] · √H, decoding only the rows of these tokens."""

@@ -451,8 +451,8 @@ class Gemma4Forward:
             hooks.after_layer(i, h)
 
         rows.finish()
-        return final_norm_and_logits(h, w.output_norm, c.rms_norm_eps, rows, hooks, self.lm_head, c.vocab_size,
-                                     all_logits)
+        return final_norm_and_logits(h, w.output_norm, c.rms_norm_eps, rows, hooks, self.lm_head,
+                                     c.vocab_size, all_logits)
 
     # -- the steps of a layer ----------------------------------------------------------------
 

@@ -27,8 +27,8 @@ def final_norm_and_logits(hidden: np.ndarray, output_norm: np.ndarray, eps: floa
         last_normed = rms_norm(hidden[count - 1:], output_norm, eps, ws.final_normed, ws.final_row_scratch)
         out = ws.logits
     else:
-        last_normed = rms_norm(hidden[last], output_norm, eps, np.empty((len(last), hidden.shape[1]), np.float32),
-                               np.empty((len(last), 1), np.float32))
+        normed = np.empty((len(last), hidden.shape[1]), np.float32)
+        last_normed = rms_norm(hidden[last], output_norm, eps, normed, np.empty((len(last), 1), np.float32))
         out = np.empty((len(last), vocab_size), np.float32)
     hooks.before_logits(last_normed)
     logits = lm_head(last_normed, out)

@@ -120,8 +120,8 @@ class Study:
                 for first in range(0, len(plan.items), together):
                     items = plan.items[first:first + together]
                     if evaluator is not None:
-                        results = drive_together(evaluator, [plan.driver.evaluate_item(item) for item in items],
-                                                 self.clock.timed)
+                        steps = [plan.driver.evaluate_item(item) for item in items]
+                        results = drive_together(evaluator, steps, self.clock.timed)
                         results = [_prefixed(result, plan.driver.name) for result in results]
                     else:
                         results = [self._generate(item, run) for item in items]
