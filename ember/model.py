@@ -128,6 +128,7 @@ class Model:
         self._cached_ids: list[int] = []  # the tokens whose keys/values the cache holds, in order
         self._decode_workspace = forward.new_workspace(1, context_length)
         self._batch_workspace: Any = None
+        self._bytes_per_row = 0  # a batch row's activations (`_row_bytes`), measured on first use
         self.batch_memory = default_batch_memory()  # bytes a batch's activations may take; more is split
         self.model_context = ModelContext.from_config(config, model_id=source.name, readout=self._readout())
 
@@ -377,7 +378,7 @@ class Model:
 
     def _row_bytes(self) -> int:
         """The activation bytes one more row of a batch takes (a 2-row workspace, measured once)."""
-        if not hasattr(self, "_bytes_per_row"):
+        if not self._bytes_per_row:
             probe = self._forward.new_workspace(2, 2)
             arrays = [a for a in vars(probe).values() if isinstance(a, np.ndarray)]
             self._bytes_per_row = max(1, sum(a.nbytes for a in arrays) // 2)
