@@ -187,7 +187,7 @@ class BatchRows:
         self.ws = ws
         order = sorted(range(len(entries)), key=lambda e: entries[e].first_layer)
         self.order = order if indices is None else [int(indices[e]) for e in order]  # the caller's indices
-        stacked = [entries[e] for e in self.order]
+        stacked = [entries[e] for e in order]  # `entries` is this part's: its own indices
         counts = np.array([e.rows for e in stacked], np.int64)
         self.offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         self.counts = counts
