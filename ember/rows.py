@@ -187,7 +187,7 @@ class BatchRows:
         self.ws = ws
         order = sorted(range(len(entries)), key=lambda e: entries[e].first_layer)
         self.order = order if indices is None else [int(indices[e]) for e in order]  # the caller's indices
-        stacked = [entries[e] for e in self.order]
+        stacked = [entries[e] for e in order]  # `entries` is this part's: its own indices
         counts = np.array([e.rows for e in stacked], np.int64)
         self.offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         self.counts = counts
@@ -233,7 +233,7 @@ class BatchRows:
             if entry.first_layer == layer and layer > 0:
                 assert entry.prefix is not None
                 span = slice(self.offsets[k], self.offsets[k + 1])
-                self.ws.hidden[span] = entry.prefix.residual[layer][entry.start:]
+                self.ws.hidden[span] = entry.prefix.residual[layer][entry.start:len(entry.token_ids)]
         rows = int(self.live[layer])
         h = self.ws.hidden[:rows]
         for saving in self.saving:
@@ -266,7 +266,9 @@ class BatchRows:
         """Each row's attention over its own sequence: the saved keys before its sequence's start, then
         its sequence's own rows up to itself (a sliding layer's window masked)."""
         k, v = np.ascontiguousarray(k), np.ascontiguousarray(v)
-        if keep:
+        if keep:  # copies: k and v may be views of the workspace (one row, or Gemma 4's V from K), which
+            # later layers overwrite before the layers sharing them read them
+            k, v = k.copy(), v.copy()
             self.kept[layer] = (k, v)
         for saving in self.saving:
             self._save_keys(saving, layer, k, v)
@@ -285,9 +287,9 @@ class BatchRows:
         own = (self.first_layers[:entries] <= source).astype(np.int64)
         late = own == 0
         prefix_length[late] = self.starts[:entries][late] + self.counts[:entries][late]
-        if k is None:  # no sequence was live at the source layer
-            shape = (1, *q.shape[1:2], q.shape[2])
-            k = v = np.zeros((1, shape[1], q.shape[2]), np.float32)
+        if k is None:  # no sequence was live at the source layer: no own keys (and the kernel reads none)
+            k = np.zeros((1, prefix_keys.shape[1], prefix_keys.shape[3]), np.float32)
+            v = np.zeros((1, prefix_values.shape[1], prefix_values.shape[3]), np.float32)
         return self._ragged(q, k, v, prefix_keys, prefix_values, prefix_length, own, scale, window, out)
 
     def _prefix(self, layer: int, entries: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -314,6 +316,8 @@ class BatchRows:
                 prefix_values: np.ndarray, prefix_length: np.ndarray, own: np.ndarray, scale: float,
                 window: int, out: np.ndarray) -> np.ndarray:
         rows = q.shape[0]
+        if rows == 0:  # no sequence is evaluated at this layer yet (all join later)
+            return out
         q = np.ascontiguousarray(q)
         heads = out.reshape(rows, q.shape[1], -1)
         entries = len(prefix_length)
@@ -343,7 +347,7 @@ class BatchRows:
         k, entry = saving.entry, self.stacked[saving.entry]
         if layer < entry.first_layer:
             assert entry.prefix is not None
-            saving.residual.append(entry.prefix.residual[layer].copy())
+            saving.residual.append(entry.prefix.residual[layer][:len(entry.token_ids)].copy())
             return
         rows = h[self.offsets[k]:self.offsets[k + 1]]
         saved = entry.prefix.residual[layer] if entry.prefix else None
@@ -356,8 +360,9 @@ class BatchRows:
             saving.values.append(None)
         if layer < entry.first_layer:
             assert entry.prefix is not None
-            saving.keys.append(entry.prefix.keys[layer])
-            saving.values.append(entry.prefix.values[layer])
+            T = len(entry.token_ids)
+            saving.keys.append(_first_positions(entry.prefix.keys[layer], T))
+            saving.values.append(_first_positions(entry.prefix.values[layer], T))
             return
         span = slice(self.offsets[index], self.offsets[index + 1])
         prefix = entry.prefix
@@ -373,6 +378,12 @@ class BatchRows:
             return np.array(own, np.float32, copy=True)
         before = saved[:entry.start] if axis == 0 else saved[:, :entry.start]
         return np.concatenate([before, own], axis=axis)
+
+
+def _first_positions(saved: np.ndarray | None, count: int) -> np.ndarray | None:
+    """The first `count` positions of saved keys or values [kv heads, T, head dim] (a saved run may be
+    longer than the sequence reusing it)."""
+    return None if saved is None else saved[:, :count]
 
 
 def ragged_attention_numpy(q: np.ndarray, k: np.ndarray, v: np.ndarray, prefix_keys: np.ndarray,

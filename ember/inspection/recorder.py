@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from ember.errors import ConfigError
-from ember.experiments.context import ExecutionPhase
+from ember.experiments.context import BatchLayout, ExecutionPhase
 from ember.stages import NAMES, Scope, Stage, define_stage_methods
 
 STAGES = NAMES  # every stage's name, in call order
@@ -31,6 +32,16 @@ class Record:
     stage: str
     layer: int | None  # None for a model stage (before_logits, after_logits)
     array: np.ndarray
+    batch: BatchLayout | None = None  # a batched evaluation's sequences (`Model.evaluate_batch`)
+
+    def sequence_rows(self, index: int) -> np.ndarray | None:
+        """The rows of the batch's sequence `index` (the caller's order) in a full copy (no `reduce`):
+        at a layer stage one per evaluated position, at a model stage its one row; None where the
+        sequence is not evaluated (a layer before its first). Without a batch: the whole array."""
+        if self.batch is None:
+            return self.array
+        span = next((s for s in self.batch.spans(self.layer) if s.index == index), None)
+        return None if span is None else self.array[span.rows]
 
 
 def pool_rows(array: np.ndarray, pool: str) -> np.ndarray:
@@ -68,13 +79,21 @@ class BoundaryRecorder:
         self._phase = ExecutionPhase.PREFILL
         self._start = 0
         self._count = 0
+        self._batch: BatchLayout | None = None
         self._active = True
 
     def begin_evaluation(self, phase: ExecutionPhase, start_position: int, token_count: int) -> None:
         self.evaluations += 1
         self._phase = ExecutionPhase(phase)
         self._start, self._count = int(start_position), int(token_count)
+        self._batch = None
         self._active = self._phase in self.phases
+
+    def begin_batch(self, rows: Any) -> None:
+        """A batch of sequences evaluated together (`ember.rows.BatchRows`): one prefill evaluation whose
+        records carry the layout (`Record.sequence_rows` splits them per sequence)."""
+        self.begin_evaluation(ExecutionPhase.PREFILL, 0, rows.count)
+        self._batch = batch_layout(rows)
 
     def _keep(self, stage: str, layer: int | None, array: np.ndarray) -> None:
         if not self._active or stage not in self.stages:
@@ -83,7 +102,14 @@ class BoundaryRecorder:
             return
         kept = self.reduce(array) if self.reduce is not None else array.copy()
         self.records.append(
-            Record(self.evaluations, self._phase, self._start, self._count, stage, layer, kept))
+            Record(self.evaluations, self._phase, self._start, self._count, stage, layer, kept, self._batch))
+
+
+def batch_layout(rows: Any) -> BatchLayout:
+    """The plain-number layout of a `BatchRows` (as the experiments' context shows it)."""
+    return BatchLayout(tuple(int(e) for e in rows.order), tuple(int(o) for o in rows.offsets),
+                       tuple(int(s) for s in rows.starts), tuple(int(f) for f in rows.first_layers),
+                       tuple(entry.tag for entry in rows.stacked))
 
 
 def _keeps(stage: Stage) -> Callable[..., None]:
