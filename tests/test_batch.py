@@ -46,12 +46,7 @@ LONG = 2  # the index of the 12-token sequence, the one saved and reused
 FAMILIES = ["smollm2", "gemma3-270m",
             *(pytest.param(name, marks=pytest.mark.reference) for name in ("gemma3-tiny", "qwen3-tiny")),
             "gemma4-tiny"]
-# Gemma 4 with PLE fails every reuse past layer 0: `Gemma4Forward.per_layer_embedding` multiplies the live
-# rows by the per-layer inputs of every row of the batch (`g *= ple[:, i, :]`, which needs `ple[:T, i, :]`
-# when fewer rows are live than the batch holds). The variant without PLE runs the same shared-KV paths.
-PLE_BUG = pytest.mark.xfail(strict=True, raises=ValueError,
-                            reason="gemma4.per_layer_embedding reads every batch row's PLE (ple[:, i, :])")
-PAST_LAYER_0 = [*FAMILIES[:-1], pytest.param("gemma4-tiny", marks=PLE_BUG), "gemma4-tiny-nople"]
+PAST_LAYER_0 = [*FAMILIES, "gemma4-tiny-nople"]
 
 
 # --------------------------------------------------------------------------- models

@@ -65,8 +65,9 @@ def test_context_fields_and_immutability() -> None:
         "family", "model_id", "architecture", "layer_count", "hidden_size", "readout"]
     assert ModelContext.from_config(MODEL, "x").readout is None
     assert dataclasses.replace(MODEL, readout=object()) == MODEL
+    # v0.1's fields, then v0.3's batch layout (None for one sequence)
     assert [f.name for f in dataclasses.fields(ExecutionContext)] == [
-        "model", "phase", "start_position", "input_token_count", "tracing"]
+        "model", "phase", "start_position", "input_token_count", "tracing", "batch"]
     assert [f.name for f in dataclasses.fields(LayerContext)] == ["execution", "layer_index"]
     assert [f.name for f in dataclasses.fields(GenerationContext)] == [
         "model", "prompt_token_count", "generated_token_count", "decode_evaluation_count", "tracing"]

@@ -120,9 +120,14 @@ class ExecutionContext:
     tracing: TracingState
     batch: BatchLayout | None = None
 
-    def spans(self, layer: int | None = None) -> tuple[SequenceSpan, ...]:
-        """The sequences of this evaluation and their rows at a layer stage (`layer`) or a model stage
-        (None): one span for a single sequence, so batch-aware code reads every evaluation alike."""
+    @property
+    def spans(self) -> tuple[SequenceSpan, ...]:
+        """The sequences of this evaluation and their rows at a model stage (one row each): one span for
+        a single sequence, so batch-aware code reads every evaluation alike (contract v0.3)."""
+        return self.spans_at(None)
+
+    def spans_at(self, layer: int | None) -> tuple[SequenceSpan, ...]:
+        """The sequences and their rows at layer `layer`'s stages (None: the model stages)."""
         if self.batch is not None:
             return self.batch.spans(layer)
         if layer is None:
@@ -149,7 +154,7 @@ class LayerContext:
     @property
     def spans(self) -> tuple[SequenceSpan, ...]:
         """The sequences whose rows this layer's tensor holds (contract v0.3; one for a single sequence)."""
-        return self.execution.spans(self.layer_index)
+        return self.execution.spans_at(self.layer_index)
 
 
 @dataclass(frozen=True, slots=True)

@@ -516,7 +516,7 @@ class Gemma4Forward:
         T = len(h)
         g = linear(h, layer.ple_gate, ws.ple_gate[:T])
         gelu_tanh_inplace(g, ws.ple_scratch[:T])
-        g *= ple[:, i, :]
+        g *= ple[:T, i, :]
         return linear(g, layer.ple_proj, ws.ple_output)
 
     def lm_head(self, z: np.ndarray, out: np.ndarray) -> np.ndarray:
