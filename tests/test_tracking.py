@@ -146,3 +146,22 @@ def test_recording_off_has_the_same_methods_and_writes_nothing():
     assert off.metrics == {"m": 1.0, "probe.rms": 2.0}, "metrics are remembered with recording off too"
     with pytest.raises(AttributeError):
         off.log_metric([("m", 1.0, 0)])  # a misspelt method fails, recording on or off
+
+
+def test_a_table_tag_deferred_goes_with_the_next_batch_or_the_close(store_dir):
+    tracker = Tracker(resolve_store(settings(name="batch"), store_dir), "batch")
+    run_id = tracker.start_run("batched", {})
+    tracker.log_table(run_id, {"a": [1, 2]}, "study/items.json", tag=False)
+    tracker.log_table(run_id, {"b": [3]}, "study/summary.json", tag=False)
+    assert "mlflow.loggedArtifacts" not in tracker.client.get_run(run_id).data.tags
+    tracker.log_batch(run_id, [("m", float(i), i) for i in range(1500)], {"t": "v"})
+    run = tracker.client.get_run(run_id)
+    assert [t["path"] for t in json.loads(run.data.tags["mlflow.loggedArtifacts"])] == [
+        "study/items.json", "study/summary.json"]
+    assert run.data.tags["t"] == "v" and len(tracker.client.get_metric_history(run_id, "m")) == 1500
+    other = tracker.start_run("closed", {})
+    tracker.log_table(other, {"a": [1]}, "t.json", tag=False)
+    tracker.end_run(other, FINISHED)
+    assert json.loads(tracker.client.get_run(other).data.tags["mlflow.loggedArtifacts"]) == [
+        {"path": "t.json", "type": "table"}]
+    tracker.end_run(run_id, FINISHED)

@@ -74,6 +74,13 @@ class RunRecord:
         if self.run_id is not None:
             self.tracker.log_metrics(self.run_id, metrics)
 
+    def log_batch(self, metrics: Metrics, tags: Mapping[str, Any]) -> None:
+        """Metrics and tags together, in as few store calls as possible."""
+        metrics = list(metrics)
+        self._seen.add(metrics)
+        if self.run_id is not None:
+            self.tracker.log_batch(self.run_id, metrics, tags)
+
     def log_text(self, text: str, artifact_file: str) -> None:
         if self.run_id is not None:
             self.tracker.log_text(self.run_id, text, artifact_file)
@@ -94,9 +101,11 @@ class RunRecord:
         if self.run_id is not None:
             self.tracker.log_file(self.run_id, path, artifact_dir)
 
-    def log_table(self, columns: Mapping[str, Sequence[Any]], artifact_file: str) -> None:
+    def log_table(self, columns: Mapping[str, Sequence[Any]], artifact_file: str, *,
+                  tag: bool = True) -> None:
+        """A table artifact; `tag=False`: the tag that shows it as a table goes with the next `log_batch`."""
         if self.run_id is not None:
-            self.tracker.log_table(self.run_id, columns, artifact_file)
+            self.tracker.log_table(self.run_id, columns, artifact_file, tag=tag)
 
     def log_dataset(self, name: str, digest: str, source_type: str, source: Mapping[str, Any],
                     schema: Mapping[str, Any] | None = None, rows: int | None = None,
@@ -146,6 +155,9 @@ class NullRecord:
     def log_metrics(self, metrics: Metrics) -> None:
         self._seen.add(metrics)
 
+    def log_batch(self, metrics: Metrics, tags: Mapping[str, Any]) -> None:
+        self._seen.add(metrics)
+
     def log_text(self, text: str, artifact_file: str) -> None:
         pass
 
@@ -161,7 +173,8 @@ class NullRecord:
     def log_file(self, path: str | os.PathLike[str], artifact_dir: str | None = None) -> None:
         pass
 
-    def log_table(self, columns: Mapping[str, Sequence[Any]], artifact_file: str) -> None:
+    def log_table(self, columns: Mapping[str, Sequence[Any]], artifact_file: str, *,
+                  tag: bool = True) -> None:
         pass
 
     def log_dataset(self, name: str, digest: str, source_type: str, source: Mapping[str, Any],

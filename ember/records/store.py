@@ -70,7 +70,10 @@ def mlflow_client(tracking_uri: str) -> Any:
     mlflow_environment()
     from mlflow.tracking import MlflowClient
 
+    from ember.records.store_template import seed_store
+
     quiet_mlflow_logging()
+    seed_store(tracking_uri)  # a new SQLite store copied from a cached empty one, not migrated afresh
     return MlflowClient(tracking_uri=tracking_uri)
 
 

@@ -216,11 +216,13 @@ class Study:
 
     # -- records ---------------------------------------------------------------------------------
 
-    def _write_items(self) -> None:
-        """The rows of the items done so far, under the table's final name."""
+    def _write_items(self, tags: bool = True) -> None:
+        """The rows of the items done so far, under the table's final name; with `tags`, the table's tag
+        and the count of items in one call (else they go with the study's last batch)."""
         self.checkpoint.restart()
-        self.recorder.log_table(_columns(self.rows), "study/items.json")
-        self.recorder.set_tags({"ember.study.items": str(len(self.rows))})
+        self.recorder.log_table(_columns(self.rows), "study/items.json", tag=False)
+        if tags:
+            self.recorder.log_batch([], {"ember.study.items": str(len(self.rows))})
 
     def _record_dataset(self) -> None:
         prompts = self.plan.prompt_set
@@ -243,6 +245,9 @@ class Study:
         return aggregate_columns(columns)
 
     def _record(self, failure: ExperimentFailure | None) -> list[str]:
+        """Everything the study found, in this order: the tables, figures and the experiments' results,
+        the results page, then its metrics (timings included) and tags in one batch. Each figure is
+        rendered once, for its artifact and the page."""
         aggregates = self.aggregates() if self.values else {}
         recorder, plan = self.recorder, self.plan
         metrics: list[tuple[str, float, int]] = [("study.items", float(len(self.rows)), 0)]
@@ -250,11 +255,11 @@ class Study:
         metrics += [(name, agg.mean, step) for (name, step), agg in aggregates.items()
                     if math.isfinite(agg.mean)]
         if self.rows:
-            self._write_items()
+            self._write_items(tags=False)
         key = [name for name in self.key if any(k[0] == name for k in aggregates)]
         series = sorted(self.series_names)
         if aggregates:
-            recorder.log_table(summary_columns(aggregates, key, series), "study/summary.json")
+            recorder.log_table(summary_columns(aggregates, key, series), "study/summary.json", tag=False)
         figures: list[tuple[str, Any]] = []  # (caption, figure) for the results page
         for name in key:
             if name in self.series_names:
@@ -276,17 +281,7 @@ class Study:
                 self.say(f"ember: {experiment.name}.results() failed after the failure: {error}")
         for name, result in results.items():
             recorder.result(name, result)
-        total = time.perf_counter() - self.clock.started
-        runner = max(0.0, total - self.clock.engine - self.clock.experiment)
-        timings = dict(zip(_TIMING_METRICS, (self.clock.engine, self.clock.experiment, runner, total),
-                           strict=True))
-        metrics += [(f"study.{name}", value, 0) for name, value in timings.items()]
-        recorder.log_metrics(metrics)
-        recorder.set_tags({"ember.study.data": plan.prompt_set.name,
-                           "ember.study.digest": plan.prompt_set.digest,
-                           "ember.study.items": str(len(self.rows)),
-                           "ember.study.key_metrics": ",".join(key)})
-        if recorder.recording:  # the page, after the timings (not counted)
+        if recorder.recording:  # the page (its figures are the PNGs logged above, not drawn again)
             for name, result in results.items():
                 figures += [(f"{experiment_folder(name)}/{title}.png", figure)
                             for title, figure in _figures_of(result).items()]
@@ -297,6 +292,15 @@ class Study:
                               item_columns=_columns(self.rows), config=_yaml(self.prepared.plain),
                               status="stopped early: " + str(failure) if failure is not None else "")
             recorder.log_text(render(page), RESULTS_PAGE)
+        total = time.perf_counter() - self.clock.started  # all but the one call below
+        runner = max(0.0, total - self.clock.engine - self.clock.experiment)
+        timings = dict(zip(_TIMING_METRICS, (self.clock.engine, self.clock.experiment, runner, total),
+                           strict=True))
+        metrics += [(f"study.{name}", value, 0) for name, value in timings.items()]
+        recorder.log_batch(metrics, {"ember.study.data": plan.prompt_set.name,
+                                     "ember.study.digest": plan.prompt_set.digest,
+                                     "ember.study.items": str(len(self.rows)),
+                                     "ember.study.key_metrics": ",".join(key)})
         self.timings = timings
         return self._summary(aggregates, key, timings)
 

@@ -16,8 +16,8 @@ import numpy as np
 
 RESAMPLES = 2000
 LEVEL = 0.95
-# Bootstrap means are formed in chunks of columns so that a draw matrix stays near this many values
-# (2000 draws x 50 items x 500 columns = 50 M float64, 0.4 GB, is already too much on a shared machine).
+# Bootstrap means are formed in chunks of columns so that the [draws, columns] means stay near this many
+# values (64 MB of float64).
 _CHUNK_VALUES = 8_000_000
 
 
@@ -59,13 +59,19 @@ def aggregate_matrix(values: np.ndarray, *, resamples: int = RESAMPLES, level: f
         high = np.full(width, np.nan)
         if items > 0:
             draws = np.random.default_rng(seed).integers(0, items, size=(resamples, items))
-            chunk = max(1, _CHUNK_VALUES // max(1, resamples * items))
-            tail = (1.0 - level) / 2.0
+            # A draw's mean of a column is (times each item was drawn) . (its values) / (draws with a
+            # value): one matrix product for all draws and columns instead of gathering a
+            # [draws, items, columns] array (2000 x 24 x 130: 50 ms against 0.4 s, 2-core machine).
+            times = np.bincount((np.arange(resamples)[:, None] * items + draws).ravel(),
+                                minlength=resamples * items).reshape(resamples, items).astype(np.float64)
+            filled = np.where(present, values, 0.0)
+            chunk = max(1, _CHUNK_VALUES // max(1, resamples))
+            tails = [(1.0 - level) / 2.0, 1.0 - (1.0 - level) / 2.0]
             for start in range(0, width, chunk):
-                block = values[:, start:start + chunk]
-                resampled = np.nanmean(block[draws], axis=1)  # [resamples, columns]
-                low[start:start + chunk] = np.nanquantile(resampled, tail, axis=0)
-                high[start:start + chunk] = np.nanquantile(resampled, 1.0 - tail, axis=0)
+                part = slice(start, start + chunk)
+                resampled = (times @ filled[:, part]) / (times @ present[:, part])  # [resamples, columns]
+                quantile = np.nanquantile if np.isnan(resampled).any() else np.quantile
+                low[part], high[part] = quantile(resampled, tails, axis=0)
     out = []
     for j in range(width):
         n = int(counts[j])

@@ -125,12 +125,11 @@ def points_figure(name: str, labels: Sequence[str], x: Sequence[float] | None, m
 
 
 def png_bytes(figure: Figure, dpi: int = 100) -> bytes:
-    """The figure as PNG (for a results page)."""
-    import io
+    """The figure as PNG (for a results page); the same bytes as its artifact when that was logged at
+    this dpi (the default figure's), rendered once."""
+    from ember.records.values import figure_png
 
-    buffer = io.BytesIO()
-    figure.savefig(buffer, format="png", dpi=dpi)
-    return buffer.getvalue()
+    return figure_png(figure, dpi)
 
 
 def _axes(ax: Axes, x: Sequence[float] | None, xlabel: str, name: str) -> None:
