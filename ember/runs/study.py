@@ -446,6 +446,11 @@ def run_items(model: Any, experiment: Any, items: Sequence[StudyItem]) -> list[I
     return drive_together(Evaluator(model, experiment), [experiment.evaluate_item(item) for item in items])
 
 
+def run_prepare(model: Any, experiment: Any, items: Sequence[StudyItem]) -> None:
+    """An experiment's `prepare_study` over items, as a study runs it (outside a job: tests, notebooks)."""
+    drive_together(Evaluator(model, experiment), [experiment.prepare_study(items)])
+
+
 def answer_values(logits: np.ndarray, item: StudyItem) -> dict[str, float]:
     """The answer's probability, rank (0 = top) and logit, and the logit difference to the wrong answer."""
     if item.answer_id is None:
