@@ -35,9 +35,9 @@ from ember.experiments.study import Evaluation, StudyItem
 
 METHODS = ("mean_diff", "pca")
 POOLS = ("last", "mean")
-# Pairs per batch when making the directions (a larger set is several batches, so that the logits the
-# runner hands back, one [vocab] row per prompt, stay small). The engine's rate stops growing past ~300
-# rows (`Model.batch_memory`'s measurement on SmolLM2); 32 sentiment pairs are ~64 prompts, ~600 rows.
+# Pairs per batch when making the directions: a larger set is several batches, so that the logits handed
+# back (one [vocab] row per prompt) stay small. The size matters little past a few prompts (measured for
+# the mean pass of `ablation`, ITEMS_PER_BATCH); 32 pairs are 64 prompts, as many as that.
 PAIRS_PER_BATCH = 32
 
 
