@@ -27,7 +27,7 @@ from ember.control_vectors import read_control_vector  # noqa: E402
 from ember.data import load_prompt_set, parse_data_spec  # noqa: E402
 from ember.experiments.steering import Steering  # noqa: E402
 from ember.experiments.study import Evaluation  # noqa: E402
-from ember.runs.study import drive, evaluate_request  # noqa: E402
+from ember.runs.study import evaluate_request, run_prepare  # noqa: E402
 from ember.runs.study_plan import study_item  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -110,7 +110,7 @@ def test_an_ember_vector_steers_llama_cpp_the_same_way(smollm2, llm, tmp_path):
     items = load_prompt_set(parse_data_spec({"path": "ember:sentiment.jsonl"})).items
     fit = Steering(layers=[6, 12], scale=1.0, save=str(tmp_path / "sentiment.gguf"))
     study = [study_item(i, item, smollm2.tokenizer) for i, item in enumerate(items)]
-    drive(fit.prepare_study(study), lambda request: evaluate_request(smollm2, fit, request))
+    run_prepare(smollm2, fit, study)
     directions = read_control_vector(tmp_path / "sentiment.gguf")   # ember's reading of its file
     assert sorted(directions) == [6, 12]
     config = smollm2.config

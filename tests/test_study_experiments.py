@@ -15,7 +15,7 @@ from ember.experiments.readout import log_softmax
 from ember.experiments.steering import Steering, make_direction
 from ember.experiments.study import Evaluation
 from ember.experiments.zero_layer_output import ZeroLayerOutput
-from ember.runs.study import drive, evaluate_request, run_item
+from ember.runs.study import Evaluator, drive, evaluate_request, run_item, run_prepare
 from ember.runs.study_plan import study_item
 
 
@@ -154,7 +154,7 @@ def test_mean_ablation_uses_the_prompt_set_means(smollm2):
             if ctx.layer_index == 2:
                 self.rows.append(tensor.values().copy())
 
-    drive(ablation.prepare_study(items), lambda request: evaluate_request(smollm2, ablation, request))
+    run_prepare(smollm2, ablation, items)
     seen = Outputs()
     for item in items:
         drive(_single(item), lambda request: evaluate_request(smollm2, seen, request))
@@ -172,6 +172,34 @@ def _single(item):
     yield Evaluation(item.token_ids)
 
 
+def one_at_a_time(model, experiment):
+    """Answers a study generator's requests one sequence at a time, never as a batch."""
+    def answer(request):
+        if isinstance(request, list):
+            return [evaluate_request(model, experiment, r) for r in request]
+        return evaluate_request(model, experiment, request)
+    return answer
+
+
+def test_mean_ablation_batched_equals_one_at_a_time(smollm2):
+    items = items_of(smollm2, "capitals", 6)
+    batched, single = (Ablation(layer=[1, 3], target="both", mode="mean") for _ in range(2))
+    run_prepare(smollm2, batched, items)
+    drive(single.prepare_study(items), one_at_a_time(smollm2, single))
+    assert set(batched._means) == set(single._means) == {(s, x) for s in ("attention", "mlp") for x in (1, 3)}
+    for key, mean in single._means.items():
+        np.testing.assert_allclose(batched._means[key], mean, rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(batched._counts[key], single._counts[key])
+    # applied to the items as one batch and one at a time: the same logits, ablated everywhere alike
+    together = Evaluator(smollm2, batched).answer([(0, Evaluation(item.token_ids)) for item in items])
+    alone = [evaluate_request(smollm2, single, Evaluation(item.token_ids)) for item in items]
+    for a, b in zip(together, alone, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * float(np.abs(b).max()))
+    clean = smollm2.logits(list(items[0].token_ids))[-1]
+    assert float(np.abs(alone[0] - clean).max()) > 0.1  # the ablation does change the logits
+    assert batched.results().metrics == single.results().metrics  # ablated tensors: 4 sites × 6 items
+
+
 def test_direction_methods_on_known_differences():
     rng = np.random.default_rng(0)
     truth = rng.normal(size=16)
@@ -185,10 +213,32 @@ def test_direction_methods_on_known_differences():
     assert np.linalg.norm(pca) == pytest.approx(float(np.linalg.norm(diffs.mean(axis=0))), rel=0.01)
 
 
+@pytest.mark.parametrize(("pool", "method"), [("last", "pca"), ("mean", "mean_diff")])
+def test_steering_directions_from_batched_pairs_equal_one_prompt_at_a_time(smollm2, pool, method):
+    items = items_of(smollm2, "sentiment", 5)
+    steering = Steering(layers=[3, 9], pool=pool, method=method)
+    run_prepare(smollm2, steering, items)
+    diffs: dict[int, list[np.ndarray]] = {3: [], 9: []}
+    scale = 0.0  # the residuals' size: a pair's difference keeps their absolute rounding, not a relative one
+    for item in items:
+        sides = []
+        for ids in (item.token_ids, item.corrupted_ids):
+            seen = Residuals()
+            smollm2.generate(list(ids), max_new_tokens=0, experiments=[seen])
+            sides.append(seen.rows)
+        for layer, found in diffs.items():
+            pooled = [rows[layer][-1] if pool == "last" else rows[layer].mean(axis=0) for rows in sides]
+            scale = max(scale, *(float(np.abs(p).max()) for p in pooled))
+            found.append(pooled[0].astype(np.float64) - pooled[1].astype(np.float64))
+    for layer, found in diffs.items():
+        expected = make_direction(np.stack(found), method)
+        np.testing.assert_allclose(steering.directions[layer], expected, rtol=1e-5, atol=1e-5 * scale)
+
+
 def test_steering_at_scale_zero_changes_nothing_and_a_fit_moves_sentiment(smollm2, tmp_path):
     items = items_of(smollm2, "sentiment", 4)
     steering = Steering(layers=[10, 12], scale=0.0, save=str(tmp_path / "sentiment.gguf"))
-    drive(steering.prepare_study(items), lambda request: evaluate_request(smollm2, steering, request))
+    run_prepare(smollm2, steering, items)
     assert set(steering.directions) == {10, 12}
     clean = smollm2.generate(list(items[0].corrupted_ids), max_new_tokens=4)
     steered = smollm2.generate(list(items[0].corrupted_ids), max_new_tokens=4, experiments=[steering])

@@ -127,6 +127,39 @@ def test_per_layer_series_and_interventions(workdir):
     assert {row["site"] for row in means} == {"attention", "mlp"}
 
 
+@pytest.mark.parametrize("job", [
+    ("data=capitals", "experiment=ablation", "layer=3", "experiments.0.mode=mean"),
+    ("data=sentiment", "experiment=steering", "layer=6", "experiments.0.scale=4", "sampling.temperature=0.8"),
+])
+def test_single_token_items_batched_equal_one_at_a_time(workdir, monkeypatch, job):
+    """max_new_tokens=1 with batch-handling experiments: the items run as batches, with the same
+    per-item rows (generated token, answer and effect metrics) as one generation per item."""
+    from ember.runs.study import Study
+
+    name = job[1].split("=")[1]
+    original = Study._generate
+    with monkeypatch.context() as patched:
+        def refused(self, item, run):
+            raise AssertionError("a single-token study of batched experiments generated one item alone")
+        patched.setattr(Study, "_generate", refused)
+        assert main(*job, "data.limit=5", "max_new_tokens=1", f"mlflow.experiment_name=t_{name}_batched") == 0
+    monkeypatch.setattr(Study, "_items_batched", lambda self, run: False)
+    assert Study._generate is original
+    assert main(*job, "data.limit=5", "max_new_tokens=1", f"mlflow.experiment_name=t_{name}_alone") == 0
+    [batched], [alone] = runs_of(workdir, f"t_{name}_batched"), runs_of(workdir, f"t_{name}_alone")
+    rows, expected = table(workdir, batched, "study/items.json"), table(workdir, alone, "study/items.json")
+    assert rows["columns"] == expected["columns"] and "effect.kl_mean" in rows["columns"]
+    for got, want in zip(rows["data"], expected["data"], strict=True):
+        want_of = dict(zip(expected["columns"], want, strict=True))
+        # differences of logits (logit_diff, deltas, KL) keep the logits' rounding: 1e-5 of their size
+        scale = max(abs(want_of["answer.logit"]), abs(want_of["clean.answer.logit"]))
+        for column, a, b in zip(rows["columns"], got, want, strict=True):
+            if isinstance(b, float):
+                assert a == pytest.approx(b, rel=1e-5, abs=1e-5 * scale), column
+            else:
+                assert a == b, column
+
+
 def test_inline_items_and_prompt_still_work(workdir):
     assert main("data=inline", "data.items=[Once upon a time,The weather today is]", "max_new_tokens=2",
                 "mlflow.experiment_name=t_inline") == 0

@@ -2,8 +2,8 @@
 
 A direction per layer is either read from a file (a llama.cpp control-vector GGUF, or a `.npy` of
 `[hidden]` for the chosen layers) or made from the prompt set's pairs (`prompt` = positive side,
-`corrupted` = negative side): both sides are run clean, the residual leaving each chosen layer is
-pooled per prompt (`pool`: the last token, or the mean over tokens), and per layer
+`corrupted` = negative side): both sides are run clean (the pairs in batches), the residual leaving
+each chosen layer is pooled per prompt (`pool`: the last token, or the mean over tokens), and per layer
 
 * `method="mean_diff"`: the mean over pairs of (positive - negative);
 * `method="pca"`: the first principal component of the pair differences, uncentered as llama.cpp's
@@ -35,6 +35,10 @@ from ember.experiments.study import Evaluation, StudyItem
 
 METHODS = ("mean_diff", "pca")
 POOLS = ("last", "mean")
+# Pairs per batch when making the directions: a larger set is several batches, so that the logits handed
+# back (one [vocab] row per prompt) stay small. The size matters little past a few prompts (measured for
+# the mean pass of `ablation`, ITEMS_PER_BATCH); 32 pairs are 64 prompts, as many as that.
+PAIRS_PER_BATCH = 32
 
 
 class Steering(Experiment):
@@ -47,6 +51,7 @@ class Steering(Experiment):
     """
 
     may_write = True
+    batched = True  # contract v0.3: the pairs are recorded by `span.tag`; steering adds to every row
 
     def __init__(self, layers: int | Sequence[int] | None = None, scale: float = 1.0,
                  vector: str | None = None, method: str = "mean_diff", pool: str = "last",
@@ -74,7 +79,7 @@ class Steering(Experiment):
         self.directions: dict[int, np.ndarray] = {}
         self._model_hint = ""
         self._hidden_size = 0
-        self._recording: dict[int, np.ndarray] | None = None
+        self._recording: dict[Any, dict[int, np.ndarray]] | None = None  # tag -> layer -> pooled
         self._steered = 0
         self._fit: dict[str, Any] = {}
         if vector is not None:
@@ -100,20 +105,24 @@ class Steering(Experiment):
             raise ConfigError("making a steering direction needs pairs: every item needs `corrupted` (the "
                               "negative side), e.g. data=sentiment; or give vector=<file>")
 
-    def prepare_study(self, items: Sequence[StudyItem]) -> Generator[Evaluation, np.ndarray, None]:
+    def prepare_study(self, items: Sequence[StudyItem]
+                      ) -> Generator[list[Evaluation], list[np.ndarray], None]:
         if self.vector is not None:
             return
         assert self.layers is not None
         pooled: dict[int, list[np.ndarray]] = {layer: [] for layer in self.layers}
-        for item in items:
-            sides = []
-            for ids in (item.token_ids, item.corrupted_ids):
+        try:
+            for first in range(0, len(items), PAIRS_PER_BATCH):
+                pairs = range(first, min(first + PAIRS_PER_BATCH, len(items)))
                 self._recording = {}
-                yield Evaluation(tuple(ids or ()))
-                sides.append(self._recording)
+                yield [Evaluation(tuple(ids or ()), tag=(k, side)) for k in pairs
+                       for side, ids in enumerate((items[k].token_ids, items[k].corrupted_ids))]
+                for k in pairs:
+                    positive, negative = self._recording[(k, 0)], self._recording[(k, 1)]
+                    for layer in self.layers:
+                        pooled[layer].append(positive[layer] - negative[layer])
+        finally:
             self._recording = None
-            for layer in self.layers:
-                pooled[layer].append(sides[0][layer] - sides[1][layer])
         for layer in self.layers:
             diffs = np.stack(pooled[layer]).astype(np.float64)  # [pairs, hidden]
             self.directions[layer] = make_direction(diffs, self.method)
@@ -128,16 +137,18 @@ class Steering(Experiment):
         if self._recording is not None:
             if ctx.execution.phase is ExecutionPhase.PREFILL and layer in (self.layers or ()):
                 values = hidden.values()
-                pooled = values[-1] if self.pool == "last" else values.mean(axis=0)
-                self._recording[layer] = pooled.astype(np.float64)
+                for span in ctx.spans:  # one per prompt, tagged (pair, side) by prepare_study
+                    rows = values[span.rows]
+                    pooled = rows[-1] if self.pool == "last" else rows.mean(axis=0)
+                    self._recording.setdefault(span.tag, {})[layer] = pooled.astype(np.float64)
             return
         direction = self.directions.get(layer)
         if direction is None or ctx.execution.phase not in self.phases:
             return
         if layer not in (self.layers or ()):
             return
-        hidden.values_mut()[...] += np.float32(self.scale) * direction
-        self._steered += 1
+        hidden.values_mut()[...] += np.float32(self.scale) * direction  # every row of every sequence
+        self._steered += len(ctx.spans)  # one per sequence, batched or not
 
     def results(self) -> ExperimentResult:
         rows = [{"layer": layer, "norm": float(np.linalg.norm(v)), **self._fit}

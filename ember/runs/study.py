@@ -37,6 +37,7 @@ from ember.runconfig import build_experiments
 from ember.runs.checkpoint import Interval
 from ember.runs.effect import LogitsRecorder, intervention_effect
 from ember.runs.prepare import may_write
+from ember.sampling import Sampler, SamplingSettings
 from ember.studies.aggregate import Aggregate, aggregate_columns
 from ember.studies.figures import INTERVAL_LABEL, human_label, png_bytes, series_figure
 from ember.studies.report import PageFigure, render, study_page, summary_columns
@@ -115,7 +116,8 @@ class Study:
             # Shown only once the items have taken PROGRESS_DELAY seconds: a quick study prints its summary.
             with Progress(label, total=len(plan.items), enabled=self.progress,
                           delay=PROGRESS_DELAY) as advance:
-                together = ITEMS_TOGETHER if getattr(plan.driver, "batched", False) else 1
+                items_batched = self._items_batched(run)
+                together = ITEMS_TOGETHER if getattr(plan.driver, "batched", False) or items_batched else 1
                 evaluator = Evaluator(self.model, plan.driver) if plan.driver is not None else None
                 for first in range(0, len(plan.items), together):
                     items = plan.items[first:first + together]
@@ -123,6 +125,8 @@ class Study:
                         steps = [plan.driver.evaluate_item(item) for item in items]
                         results = drive_together(evaluator, steps, self.clock.timed)
                         results = [_prefixed(result, plan.driver.name) for result in results]
+                    elif items_batched:
+                        results = self._generate_batch(items, run)
                     else:
                         results = [self._generate(item, run) for item in items]
                     for item, result in zip(items, results, strict=True):
@@ -163,35 +167,63 @@ class Study:
             self.show(f"{item.text}{generation.text}")
         for experiment in fresh:
             _add_metrics(result, experiment.name, generation.experiment_results[experiment.name].metrics)
-        first = logits_seen.rows[0]
-        result.values.update(answer_values(first, item))
-        if writes and logits_seen.rows:
-            steps = min(len(logits_seen.rows), len(generation.token_ids) + 1)
+        steps = min(len(logits_seen.rows), len(generation.token_ids) + 1)
+        clean = None
+        if writes:
             sequence = list(item.token_ids) + list(generation.token_ids[: steps - 1])
             clean = self.clock.timed("engine", lambda: self.model.logits(sequence))
             clean = clean[len(item.token_ids) - 1: len(item.token_ids) - 1 + steps]
-            effect = intervention_effect(clean, np.stack(logits_seen.rows[:steps]))
-            summary = effect.summary()
-            result.values.update({"effect.kl_mean": summary["kl_mean"], "effect.kl_max": summary["kl_max"],
-                                  "effect.top1_agreement": summary["top1_agreement"],
-                                  "effect.first_divergent_step": float(summary["first_divergent_step"]),
-                                  # its mean over the set: the share of answers the intervention changed
-                                  "effect.answer_changed": float(summary["first_divergent_step"] == 0)})
-            clean_values = answer_values(clean[0], item)
-            for name, value in clean_values.items():
-                result.values[f"clean.{name}"] = value
-            for name in ("answer.prob", "answer.logit_diff"):
-                if name in clean_values:
-                    result.values[f"{name}_delta"] = result.values[name] - clean_values[name]
-            result.key = ("effect.kl_mean", "effect.top1_agreement") + (
-                ("answer.logit_diff_delta",) if item.wrong_answer_ids else
-                ("answer.prob_delta",) if item.answer_ids else ())
-        elif item.answer_ids:
-            result.key = ("answer.prob", "answer.correct") + (
-                ("answer.logit_diff",) if item.wrong_answer_ids else ())
-        if not result.key:  # plain generation over a prompt set: what each item generated
-            result.key = ("tokens.generated",)
-        return result
+        return measured(result, item, np.stack(logits_seen.rows[:steps]), clean)
+
+    def _items_batched(self, run: Any) -> bool:
+        """Whether the runner's per-item pass may run items as batches (`_generate_batch`): a
+        single-token study (nothing is evaluated past the scored position) whose experiments are all
+        shared ones that handle batches (contract v0.3)."""
+        plan = self.plan
+        return (plan.driver is None and run.max_new_tokens <= 1 and not plan.per_item_specs
+                and bool(plan.shared) and all(getattr(e, "batched", False) for e in plan.shared))
+
+    def _generate_batch(self, items: Sequence[StudyItem], run: Any) -> list[ItemResult]:
+        """`_generate` for several items of a single-token study at once: their prompts with the
+        experiments attached as one batch, and for interventions the clean model over the same prompts
+        as another (the one position scored is each prompt's last); each item's token sampled from its
+        own logits as a generation of one token samples it."""
+        attached = list(self.plan.shared)
+        entries = [BatchEntry(np.asarray(item.token_ids, np.int64)) for item in items]
+        rows = sum(entry.rows for entry in entries)
+        runner = ExperimentRunner(attached, self.model.model_context)
+
+        def intervened() -> tuple[list[np.ndarray], list[list[int]]]:
+            runner.on_model_loaded()
+            runner.before_prefill(0, rows)
+            logits = self.model.evaluate_batch(entries, observer=runner.hooks).logits
+            generated = [self._sampled(row, run) for row in logits]
+            runner.on_generation_complete(rows, sum(map(len, generated)), 0)
+            return logits, generated
+
+        logits, generated = self.clock.timed("engine", intervened)
+        clean: list[np.ndarray | None] = [None] * len(items)
+        if run.intervention_effect and any(may_write(e) for e in attached):
+            clean = self.clock.timed("engine", lambda: self.model.evaluate_batch(entries).logits)
+        results = []
+        for item, row, tokens, clean_row in zip(items, logits, generated, clean, strict=True):
+            decoder = self.model.tokenizer.stream_decoder()
+            text = "".join(piece for piece in [*map(decoder.push, tokens), decoder.flush()] if piece)
+            if self.show is not None:
+                self.show(f"{item.text}{text}")
+            result = ItemResult(row={"generated": text}, values={"tokens.generated": float(len(tokens))})
+            results.append(measured(result, item, row[None], None if clean_row is None else clean_row[None]))
+        return results
+
+    def _sampled(self, logits: np.ndarray, run: Any) -> list[int]:
+        """The tokens a generation of at most one token (`run.max_new_tokens`) makes from its prefill's
+        logits: none at 0 or when it stops at an end-of-generation token."""
+        if run.max_new_tokens < 1:
+            return []
+        sampling = run.sampling
+        token = Sampler(SamplingSettings(sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p,
+                                         sampling.seed))(logits)
+        return [] if run.stop_at_eog and token in self.model.tokenizer.eog_ids else [token]
 
     def _collect(self, item: StudyItem, result: ItemResult | None) -> None:
         result = result if result is not None else ItemResult()
@@ -448,6 +480,42 @@ def run_item(model: Any, experiment: Any, item: StudyItem) -> ItemResult | None:
 def run_items(model: Any, experiment: Any, items: Sequence[StudyItem]) -> list[ItemResult | None]:
     """Items through an experiment's own passes, side by side (batched) when the experiment is."""
     return drive_together(Evaluator(model, experiment), [experiment.evaluate_item(item) for item in items])
+
+
+def run_prepare(model: Any, experiment: Any, items: Sequence[StudyItem]) -> None:
+    """An experiment's `prepare_study` over items, as a study runs it (outside a job: tests, notebooks)."""
+    drive_together(Evaluator(model, experiment), [experiment.prepare_study(items)])
+
+
+def measured(result: ItemResult, item: StudyItem, intervened: np.ndarray,
+             clean: np.ndarray | None) -> ItemResult:
+    """An item's runner metrics from the logits it was generated with ([steps, V], the first at the
+    first generated position): the answer's; with `clean` (the clean model's over the same tokens) the
+    intervention's effect and the clean answer metrics with their deltas. Sets the key metrics."""
+    result.values.update(answer_values(intervened[0], item))
+    if clean is not None:
+        effect = intervention_effect(clean, intervened)
+        summary = effect.summary()
+        result.values.update({"effect.kl_mean": summary["kl_mean"], "effect.kl_max": summary["kl_max"],
+                              "effect.top1_agreement": summary["top1_agreement"],
+                              "effect.first_divergent_step": float(summary["first_divergent_step"]),
+                              # its mean over the set: the share of answers the intervention changed
+                              "effect.answer_changed": float(summary["first_divergent_step"] == 0)})
+        clean_values = answer_values(clean[0], item)
+        for name, value in clean_values.items():
+            result.values[f"clean.{name}"] = value
+        for name in ("answer.prob", "answer.logit_diff"):
+            if name in clean_values:
+                result.values[f"{name}_delta"] = result.values[name] - clean_values[name]
+        result.key = ("effect.kl_mean", "effect.top1_agreement") + (
+            ("answer.logit_diff_delta",) if item.wrong_answer_ids else
+            ("answer.prob_delta",) if item.answer_ids else ())
+    elif item.answer_ids:
+        result.key = ("answer.prob", "answer.correct") + (
+            ("answer.logit_diff",) if item.wrong_answer_ids else ())
+    if not result.key:  # plain generation over a prompt set: what each item generated
+        result.key = ("tokens.generated",)
+    return result
 
 
 def answer_values(logits: np.ndarray, item: StudyItem) -> dict[str, float]:
