@@ -18,14 +18,14 @@ a 2-thread BLAS call (as slow as 1 thread) and 2.9 ms after single-threaded work
 
 from __future__ import annotations
 
+import itertools
+import queue
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from functools import cache
 
 _threads = 1
-_pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 _inside = threading.local()  # set while a thread runs shared work: nested `share` calls run serially
 
@@ -45,50 +45,79 @@ def use_threads(count: int) -> Iterator[None]:
         _threads = saved
 
 
-def _helpers(count: int) -> ThreadPoolExecutor:
-    """The kept pool of `count` helper threads (starting threads for each product would cost more than
-    a short prompt's product)."""
-    global _pool
-    with _pool_lock:
-        if _pool is None or _pool._max_workers != count:
-            if _pool is not None:
-                _pool.shutdown(wait=False)
-            _pool = ThreadPoolExecutor(count, thread_name_prefix="ember")
-        return _pool
+class _Job:
+    """One `share` call: its pieces, taken one by one by whichever thread asks next, and how many are
+    finished. `next()` on the iterators is atomic under the GIL, so taking a piece needs no lock."""
 
+    def __init__(self, work: Callable[[int], None], count: int) -> None:
+        self.work = work
+        self.count = count
+        self.pieces = iter(range(count))
+        self.finished = itertools.count(1)
+        self.error: BaseException | None = None
+        self.all_done = threading.Lock()
+        self.all_done.acquire()  # released by the thread that finishes the last piece
 
-def share(work: Callable[[int], None], count: int) -> None:
-    """Run work(0), …, work(count − 1), each once, on up to `threads()` threads (the caller's among
-    them) with single-threaded BLAS; return when all are done, raising the first error."""
-    workers = min(threads(), count)
-    if workers <= 1 or getattr(_inside, "active", False):
-        with single_threaded_blas():
-            for index in range(count):
-                work(index)
-        return
-    pending = iter(range(count))
-    lock = threading.Lock()
-
-    def drain() -> None:  # the next piece nobody has taken, until none is left
+    def drain(self) -> None:
+        """Take and run pieces until none is left."""
         _inside.active = True
         try:
-            while True:
-                with lock:
-                    index = next(pending, None)
-                if index is None:
-                    return
-                work(index)
+            for index in self.pieces:
+                try:
+                    self.work(index)
+                except BaseException as error:  # the caller raises it once every piece is done
+                    if self.error is None:
+                        self.error = error
+                if next(self.finished) == self.count:
+                    self.all_done.release()
         finally:
             _inside.active = False
 
-    with single_threaded_blas():
-        helpers = [_helpers(workers - 1).submit(drain) for _ in range(workers - 1)]
-        try:
-            drain()
-        finally:
-            for helper in helpers:
-                if not helper.cancel():  # a helper that never started (its core taken) is not waited for
-                    helper.result()
+
+def _helper(jobs: queue.SimpleQueue) -> None:
+    while True:
+        jobs.get().drain()  # a job whose pieces are all taken by the time it is picked up: nothing to do
+
+
+_jobs: queue.SimpleQueue = queue.SimpleQueue()
+_helper_count = 0
+
+
+def _wake_helpers(job: _Job, count: int) -> None:
+    """Hand `job` to `count` helpers, starting helper threads the first time they are needed (kept for
+    the process: starting one costs more than a short prompt's product)."""
+    global _helper_count
+    with _pool_lock:
+        while _helper_count < count:
+            name = f"ember-{_helper_count}"
+            threading.Thread(target=_helper, args=(_jobs,), name=name, daemon=True).start()
+            _helper_count += 1
+    for _ in range(count):
+        _jobs.put(job)
+
+
+def share(work: Callable[[int], None], count: int, blas: bool = True) -> None:
+    """Run work(0), …, work(count − 1), each once, on up to `threads()` threads (the caller's among
+    them), with single-threaded BLAS unless `blas` is False (work that calls no BLAS saves the few µs of
+    setting it); return when all are done, raising the first error.
+
+    The caller wakes the helpers (a C-level queue each waits on, ~10 µs) and takes pieces itself at
+    once; a helper takes pieces from when it wakes. When every piece is done the caller returns without
+    waiting for a helper that has not started: one whose core another process holds finds nothing left
+    when it runs."""
+    workers = min(threads(), count)
+    if workers <= 1 or getattr(_inside, "active", False):
+        with single_threaded_blas() if blas else nullcontext():
+            for index in range(count):
+                work(index)
+        return
+    job = _Job(work, count)
+    with single_threaded_blas() if blas else nullcontext():
+        _wake_helpers(job, workers - 1)
+        job.drain()
+        job.all_done.acquire()  # the pieces helpers took, finished
+    if job.error is not None:
+        raise job.error
 
 
 # Element-wise work over at least this many values is split among the threads (`share_ranges`): NumPy's
@@ -112,7 +141,7 @@ def share_ranges(count: int, values: int, work: Callable[[int, int], None]) -> N
         work(0, count)
         return
     pieces = min(count, workers * PIECES_PER_THREAD, max(workers, values // PIECE_VALUES))
-    share(lambda i: work(count * i // pieces, count * (i + 1) // pieces), pieces)
+    share(lambda i: work(count * i // pieces, count * (i + 1) // pieces), pieces, blas=False)
 
 
 @cache
