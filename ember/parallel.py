@@ -1,17 +1,26 @@
 """Work that ember shares out among its own threads, with BLAS kept to one thread inside.
 
-A prefill's matrix products (tiles of W, `ember.quant.matrix`) and its attention (a KV head's queries
-of one chunk, `ember.ops.attention`) are independent pieces. `share` runs them on `threads()` threads,
-the calling thread and a kept pool, each piece calling single-threaded BLAS. No thread has a fixed
-share: each takes the next piece nobody has taken as it frees up, and the caller does not wait for a
-helper that has not started by the time the pieces are all done, so a thread whose core another
-process took holds the others back by at most the piece it is in (README "How many threads").
+Every product and most element-wise work of a forward pass is made of independent pieces: a prefill's
+tiles of W (`ember.quant.matrix`), its attention (a KV head's queries of one chunk, `ember.ops`),
+ranges of rows of element-wise work (`share_ranges`), and in decode and short prompts the rows of W
+themselves, which the numba kernels take a few at a time through an atomic counter
+(`ember.quant.kernels.matvec`). `share` runs them on `threads()` threads, the calling thread and kept
+helpers. No thread has a fixed share: each takes the next piece nobody has taken as it frees up, and
+the caller does not wait for a helper that has not started by the time the pieces are all done, so a
+thread whose core another process took holds the others back by at most the piece it is in (README
+"How many threads"). numba's own threads (prange) are not used: under OpenMP they split a loop in
+fixed shares and spin at the barrier, and with the other core busy 2 threads decoded at 7-9 tokens/s
+where 1 decoded at 41-68.
 
-Why not let BLAS (and numba) run their own threads: each pool busy-waits after its work (OpenBLAS's
-idle threads spin, as do OpenMP's), and on 2 cores a spinning pool takes the core the next piece of
-work needs. Measured on SmolLM2, 2 threads, 512-token prefill: 215 tokens/s with numba's parallel
-decoder followed by 2-thread BLAS; a 1536×576 tile product took 5.4 ms on 2 ember threads right after
-a 2-thread BLAS call (as slow as 1 thread) and 2.9 ms after single-threaded work.
+The helpers wait on a C-level queue (no futures): a `share` of nothing costs ~5 µs on 2 idle threads,
+20 with the BLAS limit set around it (which `blas=False` skips where no BLAS runs), against 35 on a
+`concurrent.futures` pool.
+
+Why not let BLAS run its own threads: each pool busy-waits after its work (OpenBLAS's idle threads
+spin, as do OpenMP's), and on 2 cores a spinning pool takes the core the next piece of work needs.
+Measured on SmolLM2, 2 threads, 512-token prefill: 215 tokens/s with numba's parallel decoder followed
+by 2-thread BLAS; a 1536×576 tile product took 5.4 ms on 2 ember threads right after a 2-thread BLAS
+call (as slow as 1 thread) and 2.9 ms after single-threaded work.
 
 `threads()` is set for a block by `ember.quant.compute_threads` (the model's `threads`).
 """
