@@ -9,7 +9,10 @@ How `matmul` multiplies, by the number of activation rows T:
 
 * T = 1 (decode): `kernels.matvec` multiplies each weight row by x straight from its blocks.
 * T < `SMALL_BATCH` (short prompts, the evaluations of a study): `kernels.matmul_rows` decodes each
-  weight row once and multiplies it by every row of x, the rows shared out among the threads.
+  weight row once and multiplies it by every row of x.
+  Both run on ember's threads (`_on_threads`): each thread calls the kernel, which takes the rows
+  PIECE_VALUES weights at a time through a counter shared by the calls, so a thread that lost its
+  core to another process holds back one piece, never a fixed half.
 * more rows (prefill): W is cut into tiles of consecutive rows, a tile's size fixed by W's shape alone
   (all the parts of a stacked W in one go). `ember.parallel.share` hands the tiles to the threads;
   each decodes one into its own reused scratch (`kernels.dequantize_tile`, values bit-identical to
@@ -56,7 +59,10 @@ SMALL_BATCH = 48
 TRANSPOSED_BELOW = 512
 # Decode and short prompts share a product's rows among the threads in pieces of about PIECE_VALUES
 # weights (times the activation rows), each taken by the next thread to finish one (`kernels.matvec`):
-# a thread whose core another process took holds back one piece. TODO measured
+# a thread whose core another process took holds back one piece. 2^16 weights are ~10 µs of decode on
+# one Xeon core (SmolLM2's 576-column products: 112-row pieces, its 1536-column ffn_down 32-row pieces).
+# Not tuned on a quiet machine: per-piece timings taken while other sessions kept the load at 8-10
+# (2 cores) did not separate 2^13...2^18 from each other.
 PIECE_VALUES = 1 << 16
 HALF = 16  # handed to the kernels at run time (see kernels._decode)
 # The kernels take the parts of a stacked weight as a tuple of exactly this many (padded with empty
