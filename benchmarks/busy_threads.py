@@ -1,13 +1,15 @@
-"""2 threads against 1, with and without one core kept busy by another process, for numba's threading
-settings: OpenMP's default spin (what numba picks here), OMP_WAIT_POLICY=PASSIVE, GOMP_SPINCOUNT, and
-the tbb layer (when a libtbb.so.12 is given). On SmolLM2: a 5-token evaluation (ms), a 64-token prefill
-(tokens/s) and a 16-token decode (tokens/s), medians within a process.
+"""2 threads against 1, on an idle machine and with one core kept busy by another process (a Python spin
+loop this benchmark starts and stops itself), phase by phase on SmolLM2: a 5-token evaluation (a
+study's short prompt), 128- and 256-token prefills (the proxy for a batch of 100-300 rows) and a
+24-token decode, all in tokens/s, medians.
 
-Each setting runs in a process of its own (the OpenMP runtime reads its variables when it starts), and
-the settings alternate round by round, idle and busy, so that a change in the rest of the machine's
-load falls on all of them alike. Report the medians over the rounds, and say what else ran.
+Each (threads, state) runs in a process of its own, and the order alternates round by round (idle then
+busy, busy then idle; 1 then 2 threads, 2 then 1), so that a change in the rest of the machine's load
+falls on all of them alike. `--baseline DIR` runs the same workers on another checkout of ember too
+(its `ember` first on the path), for a before/after on the same machine in the same rounds. Report the
+medians over the rounds, and say what else ran.
 
-    python -m benchmarks.busy_threads --rounds 3 [--tbb-lib DIR] [--json out.json]
+    python -m benchmarks.busy_threads --rounds 3 [--busy-core | --idle] [--baseline DIR] [--json out.json]
 """
 
 from __future__ import annotations
@@ -24,103 +26,119 @@ from typing import Any
 
 MODEL = "smollm2-135m"
 PROMPT = "The capital of France is Paris, and the capital of Germany is"
-
-
-def settings(tbb_lib: str | None) -> dict[str, tuple[int, dict[str, str]]]:
-    chosen = {
-        "1 thread": (1, {}),
-        "2 threads, omp (default)": (2, {}),
-        "2 threads, OMP_WAIT_POLICY=PASSIVE": (2, {"OMP_WAIT_POLICY": "PASSIVE"}),
-        "2 threads, GOMP_SPINCOUNT=3000": (2, {"GOMP_SPINCOUNT": "3000"}),
-    }
-    if tbb_lib:
-        library_path = os.pathsep.join(p for p in (tbb_lib, os.environ.get("LD_LIBRARY_PATH")) if p)
-        chosen["2 threads, tbb layer"] = (2, {"NUMBA_THREADING_LAYER": "tbb",
-                                              "LD_LIBRARY_PATH": library_path})
-    return chosen
+PHASES = {"evaluate 5": "tokens/s", "prefill 128": "tokens/s", "prefill 256": "tokens/s",
+          "decode": "tokens/s"}
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def worker(threads: int) -> dict[str, Any]:
-    import numba
-
     import ember
 
     model = ember.load_model(MODEL, context_length=512, threads=threads)
     ids = model.tokenize(PROMPT)
-    short, long = ids[:5], (ids * 8)[:64]
-    model.evaluate(long)  # warm
-    evaluate, prefill, decode = [], [], []
-    for _ in range(5):
-        started = time.perf_counter()
-        model.evaluate(short)
-        evaluate.append((time.perf_counter() - started) * 1000)
+    model.evaluate((ids * 30)[:256])  # warm: kernels, buffers
+
+    def prompt_rate(tokens: list[int], repeats: int) -> float:
+        rates = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            model.evaluate(tokens)
+            rates.append(len(tokens) / (time.perf_counter() - started))
+        return statistics.median(rates)
+
+    result = {"threads": model.threads,
+              "evaluate 5": prompt_rate(ids[:5], 9),
+              "prefill 128": prompt_rate((ids * 30)[:128], 5),
+              "prefill 256": prompt_rate((ids * 30)[:256], 3)}
+    decode = []
     for _ in range(3):
-        started = time.perf_counter()
-        model.evaluate(long)
-        prefill.append(len(long) / (time.perf_counter() - started))
-    for _ in range(2):
-        generation = model.generate(short, max_new_tokens=16, temperature=0.0, add_bos=False,
+        generation = model.generate(ids[:5], max_new_tokens=24, temperature=0.0, add_bos=False,
                                     stop_at_eog=False)
         decode.append(generation.timings.decode_tokens_per_second)
-    return {"threads": model.threads, "layer": numba.threading_layer(),
-            "evaluate_ms": statistics.median(evaluate), "prefill_tps": statistics.median(prefill),
-            "decode_tps": statistics.median(decode)}
+    result["decode"] = statistics.median(decode)
+    return result
 
 
-def run_one(threads: int, env: dict[str, str]) -> dict[str, Any]:
-    done = subprocess.run([sys.executable, "-m", "benchmarks.busy_threads", "--worker", str(threads)],
-                          env={**os.environ, **env}, capture_output=True, text=True, timeout=900)
+def run_one(threads: int, code: Path) -> dict[str, Any]:
+    path = os.pathsep.join(p for p in (str(code), os.environ.get("PYTHONPATH")) if p)
+    done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker", str(threads)],
+                          env={**os.environ, "PYTHONPATH": path}, capture_output=True, text=True,
+                          timeout=900)
     if done.returncode != 0:
         return {"error": done.stderr.strip().splitlines()[-1:]}
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def spinner() -> subprocess.Popen:
+    """Another process keeping one core busy until killed."""
+    return subprocess.Popen([sys.executable, "-c", "while True: pass"])
+
+
+def median_of(results: list[dict[str, Any]], phase: str) -> float | None:
+    good = [r[phase] for r in results if "error" not in r]
+    return statistics.median(good) if good else None
+
+
+def table(results: dict[str, dict[str, dict[int, list[dict[str, Any]]]]], states: list[str]) -> str:
+    """Per code and phase: 1 thread, 2 threads and their ratio, for each state."""
+    lines = []
+    for code, by_state in results.items():
+        lines.append(f"{code}:")
+        header = "".join(f"   {state:>9}: 1 thr   2 thr  2/1" for state in states)
+        lines.append(f"  {'tokens/s':12}{header}")
+        for phase in PHASES:
+            cells = []
+            for state in states:
+                one, two = (median_of(by_state[state][t], phase) for t in (1, 2))
+                if one is None or two is None:
+                    cells.append(f"   {state:>9}: failed")
+                    continue
+                cells.append(f"   {'':>9}  {one:6.1f}  {two:6.1f} {two / one:4.2f}")
+            lines.append(f"  {phase:12}" + "".join(cells))
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=3, help="times each setting runs, idle and busy")
-    parser.add_argument("--tbb-lib", default=None, help="a folder holding libtbb.so.12 (pip's tbb wheel)")
+    parser.add_argument("--rounds", type=int, default=3, help="times each (threads, state) runs")
+    only = parser.add_mutually_exclusive_group()
+    only.add_argument("--busy-core", action="store_true", help="only with one core kept busy")
+    only.add_argument("--idle", action="store_true", help="only without the busy process")
+    parser.add_argument("--baseline", default=None, help="another ember checkout to measure alike")
     parser.add_argument("--json", default=None, help="write every result here")
     parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker is not None:
         print(json.dumps(worker(args.worker)))
         return
-    chosen = settings(args.tbb_lib)
-    results: dict[str, dict[str, list[dict[str, Any]]]] = {name: {"idle": [], "busy": []}
-                                                           for name in chosen}
+    states = ["busy"] if args.busy_core else ["idle"] if args.idle else ["idle", "busy"]
+    codes = {"this checkout": ROOT}
+    if args.baseline:
+        codes["baseline"] = Path(args.baseline).resolve()
+    results = {code: {state: {1: [], 2: []} for state in states} for code in codes}
     started = time.time()
     for round_number in range(args.rounds):
-        for state in ("idle", "busy") if round_number % 2 == 0 else ("busy", "idle"):
-            spinner = None
-            if state == "busy":
-                spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        forward = round_number % 2 == 0
+        for state in states if forward else states[::-1]:
+            busy = spinner() if state == "busy" else None
             try:
-                names = list(chosen) if round_number % 2 == 0 else list(reversed(chosen))
-                for name in names:
-                    threads, env = chosen[name]
-                    result = run_one(threads, env)
-                    results[name][state].append(result)
-                    print(f"round {round_number + 1} {state:4} {name:36} {result}", file=sys.stderr,
-                          flush=True)
+                for code in codes if forward else list(codes)[::-1]:
+                    for threads in (1, 2) if forward else (2, 1):
+                        result = run_one(threads, codes[code])
+                        results[code][state][threads].append(result)
+                        print(f"round {round_number + 1} {state:4} {code} {threads} thread(s) {result}",
+                              file=sys.stderr, flush=True)
             finally:
-                if spinner is not None:
-                    spinner.kill()
-                    spinner.wait()
-    print(f"\nSmolLM2, medians over {args.rounds} rounds ({time.time() - started:.0f} s, load average "
-          f"{os.getloadavg()[0]:.1f} at the end): evaluate 5 tokens ms / prefill 64 tok/s / decode tok/s")
-    for name, states in results.items():
-        cells = []
-        for state in ("idle", "busy"):
-            good = [r for r in states[state] if "error" not in r]
-            if not good:
-                cells.append(f"{state}: failed {states[state][0].get('error')}")
-                continue
-            figures = [statistics.median(r[key] for r in good)
-                       for key in ("evaluate_ms", "prefill_tps", "decode_tps")]
-            cells.append(f"{state}: {figures[0]:.0f} ms / {figures[1]:.0f} / {figures[2]:.1f}")
-        print(f"  {name:36} " + "   ".join(cells))
+                if busy is not None:
+                    busy.kill()
+                    busy.wait()
+    print(f"\nSmolLM2, tokens/s, medians over {args.rounds} rounds ({time.time() - started:.0f} s, load "
+          f"average {os.getloadavg()[0]:.1f} at the end; busy: one core kept busy by a spin loop)")
+    print(table(results, states))
     if args.json:
-        Path(args.json).write_text(json.dumps({"rounds": args.rounds, "results": results}, indent=1))
+        Path(args.json).write_text(json.dumps({"rounds": args.rounds, "model": MODEL,
+                                               "codes": {k: str(v) for k, v in codes.items()},
+                                               "results": results}, indent=1))
 
 
 if __name__ == "__main__":

@@ -1,9 +1,12 @@
 """How many threads to run when none were asked for: the cores this process may run on that other
 processes leave free.
 
-A thread whose core another process keeps busy makes every thread wait for it: numba's OpenMP threads
-spin while they wait, so 2 threads with the other core busy decoded at 7–9 tokens/s where 1 thread
-decoded at 41–68 (SmolLM2, 2-core Xeon; README "How many threads"). So the default looks before it
+A thread whose core another process keeps busy can make the others wait for it. When decode ran on
+numba's OpenMP threads (fixed halves, spinning at the barrier), 2 threads with the other core busy
+decoded at 7–9 tokens/s where 1 thread decoded at 41–68 (SmolLM2, 2-core Xeon; README "How many
+threads"). Every product now runs on ember's threads in small pieces (`ember.parallel`), so a late
+thread holds back one piece, not the whole; whether a second thread on a busy core then gains is not
+yet measured on a quiet machine, so the default still leaves busy cores alone. It looks before it
 chooses: it reads the busy time of each allowed core from /proc/stat over a short window
 (SAMPLE_SECONDS, once per process), subtracts this process's own, and counts a core as taken for every
 MOSTLY_BUSY core's worth of time others used; when that leaves fewer threads than cores, the load says

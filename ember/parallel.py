@@ -1,31 +1,40 @@
 """Work that ember shares out among its own threads, with BLAS kept to one thread inside.
 
-A prefill's matrix products (tiles of W, `ember.quant.matrix`) and its attention (a KV head's queries
-of one chunk, `ember.ops.attention`) are independent pieces. `share` runs them on `threads()` threads,
-the calling thread and a kept pool, each piece calling single-threaded BLAS. No thread has a fixed
-share: each takes the next piece nobody has taken as it frees up, and the caller does not wait for a
-helper that has not started by the time the pieces are all done, so a thread whose core another
-process took holds the others back by at most the piece it is in (README "How many threads").
+Every product and most element-wise work of a forward pass is made of independent pieces: a prefill's
+tiles of W (`ember.quant.matrix`), its attention (a KV head's queries of one chunk, `ember.ops`),
+ranges of rows of element-wise work (`share_ranges`), and in decode and short prompts the rows of W
+themselves, which the numba kernels take a few at a time through an atomic counter
+(`ember.quant.kernels.matvec`). `share` runs them on `threads()` threads, the calling thread and kept
+helpers. No thread has a fixed share: each takes the next piece nobody has taken as it frees up, and
+the caller does not wait for a helper that has not started by the time the pieces are all done, so a
+thread whose core another process took holds the others back by at most the piece it is in (README
+"How many threads"). numba's own threads (prange) are not used: under OpenMP they split a loop in
+fixed shares and spin at the barrier, and with the other core busy 2 threads decoded at 7-9 tokens/s
+where 1 decoded at 41-68.
 
-Why not let BLAS (and numba) run their own threads: each pool busy-waits after its work (OpenBLAS's
-idle threads spin, as do OpenMP's), and on 2 cores a spinning pool takes the core the next piece of
-work needs. Measured on SmolLM2, 2 threads, 512-token prefill: 215 tokens/s with numba's parallel
-decoder followed by 2-thread BLAS; a 1536×576 tile product took 5.4 ms on 2 ember threads right after
-a 2-thread BLAS call (as slow as 1 thread) and 2.9 ms after single-threaded work.
+The helpers wait on a C-level queue (no futures): a `share` of nothing costs ~5 µs on 2 idle threads,
+20 with the BLAS limit set around it (which `blas=False` skips where no BLAS runs), against 35 on a
+`concurrent.futures` pool.
+
+Why not let BLAS run its own threads: each pool busy-waits after its work (OpenBLAS's idle threads
+spin, as do OpenMP's), and on 2 cores a spinning pool takes the core the next piece of work needs.
+Measured on SmolLM2, 2 threads, 512-token prefill: 215 tokens/s with numba's parallel decoder followed
+by 2-thread BLAS; a 1536×576 tile product took 5.4 ms on 2 ember threads right after a 2-thread BLAS
+call (as slow as 1 thread) and 2.9 ms after single-threaded work.
 
 `threads()` is set for a block by `ember.quant.compute_threads` (the model's `threads`).
 """
 
 from __future__ import annotations
 
+import itertools
+import queue
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from functools import cache
 
 _threads = 1
-_pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 _inside = threading.local()  # set while a thread runs shared work: nested `share` calls run serially
 
@@ -45,50 +54,79 @@ def use_threads(count: int) -> Iterator[None]:
         _threads = saved
 
 
-def _helpers(count: int) -> ThreadPoolExecutor:
-    """The kept pool of `count` helper threads (starting threads for each product would cost more than
-    a short prompt's product)."""
-    global _pool
-    with _pool_lock:
-        if _pool is None or _pool._max_workers != count:
-            if _pool is not None:
-                _pool.shutdown(wait=False)
-            _pool = ThreadPoolExecutor(count, thread_name_prefix="ember")
-        return _pool
+class _Job:
+    """One `share` call: its pieces, taken one by one by whichever thread asks next, and how many are
+    finished. `next()` on the iterators is atomic under the GIL, so taking a piece needs no lock."""
 
+    def __init__(self, work: Callable[[int], None], count: int) -> None:
+        self.work = work
+        self.count = count
+        self.pieces = iter(range(count))
+        self.finished = itertools.count(1)
+        self.error: BaseException | None = None
+        self.all_done = threading.Lock()
+        self.all_done.acquire()  # released by the thread that finishes the last piece
 
-def share(work: Callable[[int], None], count: int) -> None:
-    """Run work(0), …, work(count − 1), each once, on up to `threads()` threads (the caller's among
-    them) with single-threaded BLAS; return when all are done, raising the first error."""
-    workers = min(threads(), count)
-    if workers <= 1 or getattr(_inside, "active", False):
-        with single_threaded_blas():
-            for index in range(count):
-                work(index)
-        return
-    pending = iter(range(count))
-    lock = threading.Lock()
-
-    def drain() -> None:  # the next piece nobody has taken, until none is left
+    def drain(self) -> None:
+        """Take and run pieces until none is left."""
         _inside.active = True
         try:
-            while True:
-                with lock:
-                    index = next(pending, None)
-                if index is None:
-                    return
-                work(index)
+            for index in self.pieces:
+                try:
+                    self.work(index)
+                except BaseException as error:  # the caller raises it once every piece is done
+                    if self.error is None:
+                        self.error = error
+                if next(self.finished) == self.count:
+                    self.all_done.release()
         finally:
             _inside.active = False
 
-    with single_threaded_blas():
-        helpers = [_helpers(workers - 1).submit(drain) for _ in range(workers - 1)]
-        try:
-            drain()
-        finally:
-            for helper in helpers:
-                if not helper.cancel():  # a helper that never started (its core taken) is not waited for
-                    helper.result()
+
+def _helper(jobs: queue.SimpleQueue) -> None:
+    while True:
+        jobs.get().drain()  # a job whose pieces are all taken by the time it is picked up: nothing to do
+
+
+_jobs: queue.SimpleQueue = queue.SimpleQueue()
+_helper_count = 0
+
+
+def _wake_helpers(job: _Job, count: int) -> None:
+    """Hand `job` to `count` helpers, starting helper threads the first time they are needed (kept for
+    the process: starting one costs more than a short prompt's product)."""
+    global _helper_count
+    with _pool_lock:
+        while _helper_count < count:
+            name = f"ember-{_helper_count}"
+            threading.Thread(target=_helper, args=(_jobs,), name=name, daemon=True).start()
+            _helper_count += 1
+    for _ in range(count):
+        _jobs.put(job)
+
+
+def share(work: Callable[[int], None], count: int, blas: bool = True) -> None:
+    """Run work(0), …, work(count − 1), each once, on up to `threads()` threads (the caller's among
+    them), with single-threaded BLAS unless `blas` is False (work that calls no BLAS saves the few µs of
+    setting it); return when all are done, raising the first error.
+
+    The caller wakes the helpers (a C-level queue each waits on, ~10 µs) and takes pieces itself at
+    once; a helper takes pieces from when it wakes. When every piece is done the caller returns without
+    waiting for a helper that has not started: one whose core another process holds finds nothing left
+    when it runs."""
+    workers = min(threads(), count)
+    if workers <= 1 or getattr(_inside, "active", False):
+        with single_threaded_blas() if blas else nullcontext():
+            for index in range(count):
+                work(index)
+        return
+    job = _Job(work, count)
+    with single_threaded_blas() if blas else nullcontext():
+        _wake_helpers(job, workers - 1)
+        job.drain()
+        job.all_done.acquire()  # the pieces helpers took, finished
+    if job.error is not None:
+        raise job.error
 
 
 # Element-wise work over at least this many values is split among the threads (`share_ranges`): NumPy's
@@ -112,7 +150,7 @@ def share_ranges(count: int, values: int, work: Callable[[int, int], None]) -> N
         work(0, count)
         return
     pieces = min(count, workers * PIECES_PER_THREAD, max(workers, values // PIECE_VALUES))
-    share(lambda i: work(count * i // pieces, count * (i + 1) // pieces), pieces)
+    share(lambda i: work(count * i // pieces, count * (i + 1) // pieces), pieces, blas=False)
 
 
 @cache

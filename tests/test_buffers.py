@@ -50,21 +50,41 @@ def test_share_ranges_covers_every_index_once_in_small_pieces(count, values):
 
 
 def test_the_caller_does_not_wait_for_a_helper_that_never_started():
-    """The pool's one helper is held by other work (as a thread whose core another process took): the
-    caller takes every piece itself and returns while the helper is still held."""
+    """Every helper is held by other work (as a thread whose core another process took): the caller
+    takes every piece itself and returns while the helpers are still held."""
     release = threading.Event()
     with parallel.use_threads(2):
-        held = parallel._helpers(1).submit(release.wait, 120)
+        parallel.share(lambda index: None, 2)  # the helper thread exists
+        helpers = parallel._helper_count
+        held = parallel._Job(lambda index: release.wait(120), helpers)  # one blocking piece a helper
+        parallel._wake_helpers(held, helpers)
         try:
             done = []
             parallel.share(lambda index: done.append((index, threading.get_ident())), 10)
-            returned_while_held = not held.done()
+            returned_while_held = held.all_done.locked()
         finally:
             release.set()
-            held.result()
+            assert held.all_done.acquire(timeout=120)
     assert returned_while_held
     assert sorted(index for index, _ in done) == list(range(10))
     assert {thread for _, thread in done} == {threading.get_ident()}
+
+
+def test_share_runs_every_piece_once_on_several_threads_and_raises_the_first_error():
+    with parallel.use_threads(3):
+        done = []
+        parallel.share(lambda index: done.append(index), 200)
+        assert sorted(done) == list(range(200))
+
+        def fails(index: int) -> None:
+            if index == 7:
+                raise ValueError("piece 7")
+            done.append(index)
+
+        done.clear()
+        with pytest.raises(ValueError, match="piece 7"):
+            parallel.share(fails, 50)
+        assert sorted(done) == [i for i in range(50) if i != 7]  # the others still ran, each once
 
 
 def _elementwise(threads: int, x: np.ndarray) -> list[np.ndarray]:

@@ -105,6 +105,32 @@ def test_tiles_depend_on_the_shape_alone_so_products_do_not_depend_on_the_thread
     assert tile_rows(262144, 640) * 640 <= TILE_VALUES and tile_rows(14336, 4096) >= 64
 
 
+def test_decode_and_short_prompt_products_do_not_depend_on_the_threads(monkeypatch):
+    # Decode's and a short prompt's rows are taken in small pieces by whichever thread is free: every
+    # row once, each computed alike, so bit-identical whatever the threads; pieces straddle the parts
+    # of a stack and the stack spans two kernel calls (more parts than KERNEL_PARTS).
+    import ember.quant.matrix as matrix_module
+
+    monkeypatch.setattr(matrix_module, "PIECE_VALUES", 16 * 256)  # pieces of 16 rows
+    columns = 256
+    types = (Q.Q4_K, Q.Q8_0, Q.Q6_K, Q.Q4_K)
+    parts = [QuantizedMatrix(f"p{i}", random_encoded(qtype, 37 + 8 * i, columns), int(qtype),
+                             (37 + 8 * i, columns)) for i, qtype in enumerate(types)]
+    stacked = StackedMatrix(parts)
+    assert len(stacked._groups) == 2
+    weight = np.concatenate([reference_values(Q(p.ggml_type), p.data) for p in parts]).astype(np.float64)
+    for tokens in (1, 3):
+        x = RNG.standard_normal((tokens, columns)).astype(np.float32)
+        results = []
+        for threads in (1, 2, 3):
+            with compute_threads(threads):
+                out = np.full((tokens, stacked.shape[0]), np.nan, np.float32)
+                results.append(stacked.matmul(x, out))
+        assert all(np.array_equal(results[0], other) for other in results[1:])
+        expected = x.astype(np.float64) @ weight.T
+        assert np.abs(results[0] - expected).max() <= 1e-6 * np.abs(expected).max()
+
+
 def test_decoders_never_read_past_their_row():
     # A row's last block decoded from a view that ends exactly there (a file mapping can end too).
     for qtype in (Q.Q4_K, Q.Q6_K, Q.Q5_0, Q.BF16):

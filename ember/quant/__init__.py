@@ -14,7 +14,6 @@ it can be used.
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import cache
@@ -42,35 +41,14 @@ def jit_unavailable() -> str | None:
     return None
 
 
-_kernel_threads = 1
-
-
-def kernel_threads() -> int:
-    """The number of threads the kernels share a product among (set by `compute_threads`); numba's own
-    `get_num_threads()` costs a microsecond or more a call, a noticeable share of a small product."""
-    return _kernel_threads
-
-
 @contextmanager
 def compute_threads(threads: int) -> Iterator[None]:
-    """Run BLAS, ember's own shared work (`ember.parallel`) and (when loaded) the numba kernels on
-    `threads` threads inside the block."""
-    global _kernel_threads
+    """Run BLAS and ember's own shared work (`ember.parallel`, which the kernels' products use too) on
+    `threads` threads inside the block. The kernels start no threads of their own (numba's are never
+    started): each product's threads are ember's, taking rows in small pieces (`kernels.matvec`)."""
     from threadpoolctl import threadpool_limits
 
     from ember.parallel import use_threads
 
-    numba = sys.modules.get("numba")  # only once the kernels are in use
-    previous = numba.get_num_threads() if numba is not None else None
-    saved = _kernel_threads
     with threadpool_limits(threads), use_threads(threads):
-        if numba is not None:
-            _kernel_threads = max(1, min(threads, numba.config.NUMBA_NUM_THREADS))
-            numba.set_num_threads(_kernel_threads)
-        try:
-            yield
-        finally:
-            _kernel_threads = saved
-            if numba is not None and previous is not None:
-                numba.set_num_threads(previous)
-
+        yield

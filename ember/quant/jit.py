@@ -1,4 +1,4 @@
-"""numba as the kernels import it (`from ember.quant.jit import njit, prange, types, intrinsic`), and
+"""numba as the kernels import it (`from ember.quant.jit import njit, types, intrinsic`), and
 what the JIT costs in memory once the kernels are loaded.
 
 numba needs LLVM (llvmlite's one shared library, ~100 MB on disk) to compile the kernels or to load and
@@ -26,7 +26,6 @@ import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import TextIO
 
 MADV_PAGEOUT = 21  # <linux/mman.h>, Linux 5.4
@@ -82,37 +81,8 @@ def numba_without_scipy_linalg() -> Iterator[None]:
             del sys.modules["scipy.linalg"]
 
 
-def wheel_tbb(prefixes: tuple[str, ...]) -> Path | None:
-    """The libtbb.so.12 that PyPI's `tbb` wheel put in `<prefix>/lib` of one of `prefixes`, if any."""
-    for prefix in prefixes:
-        library = Path(prefix) / "lib" / "libtbb.so.12"
-        if library.is_file():
-            return library
-    return None
-
-
-def load_wheel_tbb() -> bool:
-    """Let numba find the `tbb` wheel (`pip install 'ember[tbb]'`), whose library lands where the loader
-    does not look: loaded here by its path, numba's own `libtbb.so.12` lookup finds it, and numba then
-    prefers its tbb threading layer to OpenMP. tbb's threads share a prange's iterations by stealing
-    them, and sleep after a short spin, so a thread whose core another process took does not hold the
-    decode back (README "How many threads"). Nothing when NUMBA_THREADING_LAYER names another layer or no
-    wheel is installed; True when loaded."""
-    if os.environ.get("NUMBA_THREADING_LAYER", "default").lower() not in ("default", "tbb"):
-        return False
-    library = wheel_tbb((sys.prefix, sys.base_prefix))
-    if library is None:
-        return False
-    try:
-        ctypes.CDLL(str(library), mode=ctypes.RTLD_GLOBAL)
-    except OSError:
-        return False
-    return True
-
-
-load_wheel_tbb()
 with numba_without_scipy_linalg():
-    from numba import njit, prange, types
+    from numba import njit, types
     from numba.core import cgutils
     from numba.core.registry import cpu_target
     from numba.extending import intrinsic
@@ -155,5 +125,4 @@ def announce_compilation(stream: TextIO | None = None) -> Iterator[None]:
         say(f"kernels compiled in {time.perf_counter() - started[0]:.0f} s")
 
 
-__all__ = ["announce_compilation", "cgutils", "intrinsic", "njit", "prange", "release_compiler_pages",
-           "types"]
+__all__ = ["announce_compilation", "cgutils", "intrinsic", "njit", "release_compiler_pages", "types"]

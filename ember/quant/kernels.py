@@ -18,6 +18,10 @@ The drivers dispatch on the type once per row segment, through `_decode`, `_rows
   several stacked, multiplied with the `dot` kernels.
 * `matmul_rows(...)`: the same for a few rows of x (short prompts): each weight row decoded once.
 
+None of them starts threads: each runs in its caller's thread without the GIL, and the threads that
+share a product (`matrix._on_threads`, on `ember.parallel`'s threads) each call it, the rows taken in
+small pieces through an atomic counter (`simd.claim`) rather than as fixed shares (numba's prange).
+
 The decoders serve prefill (tiles for BLAS) and embedding lookups; decode's products do not decode
 rows into memory first: with the primitives they ran 2.5–4× faster than decoding a row and dotting it.
 
@@ -34,7 +38,7 @@ from gguf import GGMLQuantizationType as Q
 
 from ember.quant import simd
 from ember.quant.blocks import BLOCK_TYPES, BlockType, seal, switch
-from ember.quant.jit import njit, prange
+from ember.quant.jit import njit
 
 # f16 bit pattern → float32 value
 F16_TABLE = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
@@ -543,20 +547,23 @@ def tile_product(tile, xt, tokens, partial, out, out_at, out_stride):
                 r += 1
 
 
-@njit(parallel=True, fastmath=FAST, cache=True)
-def matmul_rows(qtypes, parts, offsets, x, out, table, threads, half):
+@njit(nogil=True, fastmath=FAST, cache=True)
+def matmul_rows(qtypes, parts, offsets, x, out, table, half, counter, piece):
     """out[t, r] = Σ_c W[r, c]·x[t, c] for a few activation rows t: each weight row is decoded once into
-    a small per-worker buffer (it stays in L1) and multiplied by every row of x. W as in `matvec`.
+    a small buffer (it stays in L1) and multiplied by every row of x. W as in `matvec`, the rows taken
+    `piece` at a time as in `matvec`.
 
     For a handful of rows this beats decoding a tile for BLAS (whose decoding runs in one thread per
     tile) and T separate matrix-vector products (each decoding W again); see `matrix.SMALL_BATCH`.
     """
     rows = offsets[-1]
     tokens, columns = x.shape
-    workers = max(1, min(threads, rows))
-    for worker in prange(workers):
-        row = np.empty(columns, np.float32)
-        first, stop = rows * worker // workers, rows * (worker + 1) // workers
+    row = np.empty(columns, np.float32)
+    while True:
+        first = simd.claim(counter) * piece
+        if first >= rows:
+            return
+        stop = min(first + piece, rows)
         for part in range(len(qtypes)):
             base = offsets[part]
             start, end = max(first, base), min(stop, offsets[part + 1])
@@ -611,14 +618,19 @@ for r in range(first, stop):
 seal()  # every switch above is generated: a type declared from here on would have no branch
 
 
-@njit(parallel=True, fastmath=FAST, cache=True)
-def matvec(qtypes, parts, offsets, x, out, table, threads):
+@njit(nogil=True, fastmath=FAST, cache=True)
+def matvec(qtypes, parts, offsets, x, out, table, counter, piece):
     """out[r] = Σ_c W[r, c]·x[c] for every row r of W: decode's matrix-vector product.
 
     W is one matrix or several stacked along the rows (fused Q/K/V, gate/up): `parts` is a tuple of
     their encoded bytes, part p of block type qtypes[p] giving rows offsets[p]…offsets[p+1]−1 of W, so
-    one call (one parallel region) covers them all. Each of `threads` workers takes an equal share of
-    consecutive rows.
+    one call covers them all.
+
+    The rows go in pieces of `piece` consecutive rows, each taken by `simd.claim(counter)` (counter a
+    one-value int64 array, zero at first): every thread that shares the product calls this kernel with
+    the same counter, in its own thread without the GIL (`matrix._on_threads`), and takes the next
+    piece as it finishes one, so a thread that lost its core holds back one piece, not a fixed share.
+    Each row's sum is computed alike whoever takes it: the values do not depend on the threads.
     """
     rows = offsets[-1]
     columns = x.shape[0]
@@ -631,12 +643,14 @@ def matvec(qtypes, parts, offsets, x, out, table, threads):
     sums32 = np.zeros(columns // 32 + 8, np.float32)  # padded: a super-block reads 8 at a time
     for k in range(columns // 32):
         sums32[k] = sums16[2 * k] + sums16[2 * k + 1]
-    workers = max(1, min(threads, rows))  # numba.get_num_threads() here would make it uncacheable
-    for worker in prange(workers):
-        acc = np.empty(ACC_LANES, np.float32)
-        scales = np.empty(16, np.float32)
-        first, stop = rows * worker // workers, rows * (worker + 1) // workers
-        for part in range(len(qtypes)):  # this worker's rows of each part
+    acc = np.empty(ACC_LANES, np.float32)
+    scales = np.empty(16, np.float32)
+    while True:
+        first = simd.claim(counter) * piece
+        if first >= rows:
+            return
+        stop = min(first + piece, rows)
+        for part in range(len(qtypes)):  # this piece's rows of each part
             base = offsets[part]
             start, end = max(first, base), min(stop, offsets[part + 1])
             if start < end:

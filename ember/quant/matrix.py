@@ -9,7 +9,10 @@ How `matmul` multiplies, by the number of activation rows T:
 
 * T = 1 (decode): `kernels.matvec` multiplies each weight row by x straight from its blocks.
 * T < `SMALL_BATCH` (short prompts, the evaluations of a study): `kernels.matmul_rows` decodes each
-  weight row once and multiplies it by every row of x, the rows shared out among the threads.
+  weight row once and multiplies it by every row of x.
+  Both run on ember's threads (`_on_threads`): each thread calls the kernel, which takes the rows
+  PIECE_VALUES weights at a time through a counter shared by the calls, so a thread that lost its
+  core to another process holds back one piece, never a fixed half.
 * more rows (prefill): W is cut into tiles of consecutive rows, a tile's size fixed by W's shape alone
   (all the parts of a stacked W in one go). `ember.parallel.share` hands the tiles to the threads;
   each decodes one into its own reused scratch (`kernels.dequantize_tile`, values bit-identical to
@@ -23,14 +26,14 @@ How `matmul` multiplies, by the number of activation rows T:
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from ember import parallel
 from ember.buffers import aligned_empty
 from ember.ops import linear
-from ember.quant import kernel_threads, kernels
+from ember.quant import kernels
 
 # A prefill tile holds at most TILE_VALUES weights (8 MB as float32: each thread's scratch) and, where W
 # has the rows, at least MIN_TILE_ROWS rows (BLAS is slow on narrow products), and W is cut into at
@@ -54,6 +57,13 @@ SMALL_BATCH = 48
 # in-process A/B alternating, medians of 7, 2026-12-03): 320 tokens 93.6 with OpenBLAS / 100.4 with
 # the kernel, 448 97.0 / 99.1, 512 94.5 / 94.2 (the transpose of x eats the kernel's lead there).
 TRANSPOSED_BELOW = 512
+# Decode and short prompts share a product's rows among the threads in pieces of about PIECE_VALUES
+# weights (times the activation rows), each taken by the next thread to finish one (`kernels.matvec`):
+# a thread whose core another process took holds back one piece. 2^16 weights are ~10 µs of decode on
+# one Xeon core (SmolLM2's 576-column products: 112-row pieces, its 1536-column ffn_down 32-row pieces).
+# Not tuned on a quiet machine: per-piece timings taken while other sessions kept the load at 8-10
+# (2 cores) did not separate 2^13...2^18 from each other.
+PIECE_VALUES = 1 << 16
 HALF = 16  # handed to the kernels at run time (see kernels._decode)
 # The kernels take the parts of a stacked weight as a tuple of exactly this many (padded with empty
 # parts): numba compiles a function once per tuple length, ~30 s each on 2 cores.
@@ -89,9 +99,28 @@ def kernel_groups(parts: Sequence[QuantizedMatrix]) -> list[KernelGroup]:
     return groups
 
 
+def _on_threads(groups: list[KernelGroup], rows: int, piece: int,
+                call: Callable[[KernelGroup, np.ndarray], None]) -> None:
+    """call(group, counter) for each kernel group, in the calling thread alone or, with more threads,
+    in each of up to `threads()` threads at once (each call takes `piece` rows at a time through the
+    group's counter until none is left: `kernels.matvec`). No BLAS runs inside."""
+    counters = np.zeros((len(groups), 1), np.int64)
+    workers = min(parallel.threads(), -(-rows // piece))
+
+    def run(_: int) -> None:
+        for group, counter in zip(groups, counters, strict=True):
+            call(group, counter)
+
+    if workers <= 1:
+        run(0)
+    else:
+        parallel.share(run, workers, blas=False)
+
+
 def _matvec(groups: list[KernelGroup], x: np.ndarray, out: np.ndarray) -> np.ndarray:
-    for types, parts, offsets in groups:
-        kernels.matvec(types, parts, offsets, x[0], out[0], kernels.F16_TABLE, kernel_threads())
+    piece = max(16, PIECE_VALUES // x.shape[1] // 16 * 16)
+    _on_threads(groups, out.shape[1], piece, lambda group, counter: kernels.matvec(
+        *group, x[0], out[0], kernels.F16_TABLE, counter, piece))
     return out
 
 
@@ -99,9 +128,9 @@ def _small_batch(groups: list[KernelGroup], x: np.ndarray, out: np.ndarray) -> n
     """`kernels.matmul_rows` on contiguous operands (one compiled variant; the copies are a few rows)."""
     contiguous = out if out.flags.c_contiguous else np.empty(out.shape, np.float32)
     rows = np.ascontiguousarray(x)
-    for types, parts, offsets in groups:
-        kernels.matmul_rows(types, parts, offsets, rows, contiguous, kernels.F16_TABLE, kernel_threads(),
-                            HALF)
+    piece = max(4, PIECE_VALUES // x.size)
+    _on_threads(groups, out.shape[1], piece, lambda group, counter: kernels.matmul_rows(
+        *group, rows, contiguous, kernels.F16_TABLE, HALF, counter, piece))
     if contiguous is not out:
         out[...] = contiguous
     return out
@@ -154,7 +183,7 @@ def _tiled(parts: tuple[tuple[QuantizedMatrix, int], ...], x: np.ndarray, out: n
             partial = _scratch_buffer("partial", step * padded)
             kernels.tile_product(tile, transposed, tokens, partial, flat[0], column + first, flat[1])
 
-    parallel.share(tile_product, len(tiles))
+    parallel.share(tile_product, len(tiles), blas=flat is None)
 
 
 class QuantizedMatrix:

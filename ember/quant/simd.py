@@ -445,6 +445,20 @@ def prefetch(typingctx, array, offset):
     return signature, codegen
 
 
+@intrinsic
+def claim(typingctx, counter):
+    """counter[0] += 1, atomically, returning the value before: the next piece of a product shared out
+    among threads that each call the kernel (`kernels.matvec`), so no piece is done twice or missed
+    whichever thread asks first."""
+    signature = types.int64(counter)
+
+    def codegen(context, builder, sig, args):
+        pointer = context.make_array(sig.args[0])(context, builder, args[0]).data
+        return builder.atomic_rmw("add", pointer, ir.Constant(_I64, 1), "monotonic")
+
+    return signature, codegen
+
+
 def _tile_block(rows: int, vectors: int):
     """The register block of prefill's tile product (`kernels.tile_product`): `rows` weight rows by
     16·`vectors` tokens over `depth` consecutive columns, rows·vectors accumulators of 16 lanes kept in
