@@ -6,6 +6,8 @@ experiment per item) and measures: the answer's probability, rank and logit (and
 `wrong_answer`) at the first generated position, whether the answer's first token is the top prediction
 (`answer.correct`), and for interventions the effect against the clean model over the same tokens (KL,
 top-1 agreement, first divergent step; the clean answer metrics and their deltas).
+With nothing attached and at most one token generated (plain answer scoring), the items' prompts are
+evaluated in batches instead, `ANSWER_ITEMS_TOGETHER` at a time, for the same measurements.
 
 Recorded: the prompt set as the run's dataset input; one row per item in the `study/items.json` table
 (written as the items are done, every `EMBER_CHECKPOINT_SECONDS`, so a killed study keeps them);
@@ -37,6 +39,7 @@ from ember.runconfig import build_experiments
 from ember.runs.checkpoint import Interval
 from ember.runs.effect import LogitsRecorder, intervention_effect
 from ember.runs.prepare import may_write
+from ember.sampling import Sampler, SamplingSettings
 from ember.studies.aggregate import Aggregate, aggregate_columns
 from ember.studies.figures import INTERVAL_LABEL, human_label, png_bytes, series_figure
 from ember.studies.report import PageFigure, render, study_page, summary_columns
@@ -53,6 +56,10 @@ PROGRESS_DELAY = 3.0  # seconds a study's items take before their progress is sh
 # of each step in one batch. Measured on SmolLM2 (residual patching of capital pairs, 2 threads): a batch
 # gains little past ~300 rows, which 8 pairs give; more items only delay the progress and checkpoints.
 ITEMS_TOGETHER = 8
+# Items whose prompts plain answer scoring (nothing attached, at most one token generated) evaluates as
+# one batch. Measured on SmolLM2 (the 54 capitals prompts, ~5 tokens each, 1 thread, busy machine): 8 a
+# batch 6.2 s, 4: 7.6 s, 16: 7.5 s, 54: 8.0 s, one generation per item 13.5 s.
+ANSWER_ITEMS_TOGETHER = 8
 _TIMING_METRICS = ("engine_seconds", "experiment_seconds", "runner_seconds", "total_seconds")
 
 
@@ -115,7 +122,9 @@ class Study:
             # Shown only once the items have taken PROGRESS_DELAY seconds: a quick study prints its summary.
             with Progress(label, total=len(plan.items), enabled=self.progress,
                           delay=PROGRESS_DELAY) as advance:
-                together = ITEMS_TOGETHER if getattr(plan.driver, "batched", False) else 1
+                scores_batched = self._scores_in_batches()
+                together = ITEMS_TOGETHER if getattr(plan.driver, "batched", False) else \
+                    ANSWER_ITEMS_TOGETHER if scores_batched else 1
                 evaluator = Evaluator(self.model, plan.driver) if plan.driver is not None else None
                 for first in range(0, len(plan.items), together):
                     items = plan.items[first:first + together]
@@ -123,6 +132,8 @@ class Study:
                         steps = [plan.driver.evaluate_item(item) for item in items]
                         results = drive_together(evaluator, steps, self.clock.timed)
                         results = [_prefixed(result, plan.driver.name) for result in results]
+                    elif scores_batched:
+                        results = self._score_answers(items, run)
                     else:
                         results = [self._generate(item, run) for item in items]
                     for item, result in zip(items, results, strict=True):
@@ -192,6 +203,42 @@ class Study:
         if not result.key:  # plain generation over a prompt set: what each item generated
             result.key = ("tokens.generated",)
         return result
+
+    def _scores_in_batches(self) -> bool:
+        """Plain answer scoring: no experiment attached to the items and nothing generated past the scored
+        position, so `_score_answers` may evaluate the items' prompts as batches."""
+        plan = self.plan
+        return (plan.driver is None and not plan.per_item_specs and not plan.shared
+                and self.prepared.run.max_new_tokens <= 1)
+
+    def _score_answers(self, items: Sequence[StudyItem], run: Any) -> list[ItemResult]:
+        """What `_generate` gives items when nothing is attached and at most one token is generated, from
+        one batch of their prompts: the token a generation samples from the last position's logits (a
+        fresh sampler per item, as each generation has) and the answer's values at that position."""
+        entries = [BatchEntry(np.asarray(item.token_ids, np.int64)) for item in items]
+        batch = self.clock.timed("engine", lambda: self.model.evaluate_batch(entries))
+        results = []
+        for item, logits in zip(items, batch.logits, strict=True):
+            generated: list[int] = []
+            if run.max_new_tokens > 0:
+                sampling = run.sampling
+                token = Sampler(SamplingSettings(sampling.temperature, sampling.top_k, sampling.top_p,
+                                                 sampling.min_p, sampling.seed))(logits)
+                if not (run.stop_at_eog and token in self.model.tokenizer.eog_ids):
+                    generated.append(token)
+            decoder = self.model.tokenizer.stream_decoder()
+            text = "".join(decoder.push(token) or "" for token in generated) + (decoder.flush() or "")
+            result = ItemResult(row={"generated": text}, values={"tokens.generated": float(len(generated))})
+            if self.show is not None:
+                self.show(f"{item.text}{text}")
+            result.values.update(answer_values(logits, item))
+            if item.answer_ids:
+                result.key = ("answer.prob", "answer.correct") + (
+                    ("answer.logit_diff",) if item.wrong_answer_ids else ())
+            else:  # plain generation over a prompt set: what each item generated
+                result.key = ("tokens.generated",)
+            results.append(result)
+        return results
 
     def _collect(self, item: StudyItem, result: ItemResult | None) -> None:
         result = result if result is not None else ItemResult()
