@@ -5,10 +5,12 @@ the model spends evaluating, on a 50-item prompt set.
     python -m benchmarks.bench_study                       # 3 repeats, SmolLM2-135M, capitals × 50
     python -m benchmarks.bench_study --repeats 5 --json study.json
 
-Each repeat runs three real jobs through `ember.run` (a fresh SQLite MLflow store in a temporary folder,
-the model loaded once for all): plain generation (the runner's answer metrics), mean ablation of layer 3
+Each repeat runs four real jobs through `ember.run` (a fresh SQLite MLflow store in a temporary folder,
+the model loaded once for all): plain generation (the runner's answer metrics), plain answer scoring
+(one token per item: the items' prompts evaluated in batches), mean ablation of layer 3
 (a preparation pass over the set, then the intervention-effect metrics against a clean prefill per item)
-and the logit lens (every layer read out per item, a top-token table and a layers × positions figure).
+and the logit lens (every layer of several items read out at once, a top-token table and a layers ×
+positions figure).
 The runs time themselves (`study.engine_seconds`: model evaluations, hooks included;
 `study.experiment_seconds`: experiment code between them; `study.runner_seconds`: everything else of
 the job after the model is loaded). Figures are medians over the repeats. Issue 12's target: runner
@@ -34,6 +36,7 @@ from typing import Any
 TARGET = 0.10  # runner time / engine time
 JOBS = {
     "generate": ["max_new_tokens=8"],
+    "answer_scoring": ["max_new_tokens=1"],
     "mean_ablation": ["experiment=ablation", "layer=3", "experiments.0.mode=mean", "max_new_tokens=8"],
     "logit_lens": ["experiment=logit_lens"],
 }
