@@ -12,7 +12,7 @@ model's own: the lens takes them from the evaluation's logits.
 Batched (contract v0.3): several items' prompts are evaluated as one batch, each sequence tagged with
 its item's request. The hooks copy the rows each item needs at every layer; once the batch's layers are
 done (`after_logits`) all of them go through the readout in one product, which costs far less per row
-than one product per layer and item.
+than one product per layer and item (SmolLM2, 1 thread, CPU time: one row 28 ms, 232 rows 2.6 ms a row).
 
 Series (step = layer): `target_prob`, `target_rank`, `target_logit`, `kl_to_final`. Figures: for the first
 `figure_items` items, a layers x positions map of the probability each layer gives the token that
