@@ -6,10 +6,12 @@ against the time the model spends evaluating; and what a new SQLite store costs.
     python -m benchmarks.bench_study --items 24 --repeats 1 --jobs mean_ablation,logit_lens
     python -m benchmarks.bench_study --store-only          # the store's figures alone
 
-Each repeat runs real jobs through `ember.run` (a SQLite MLflow store in a temporary folder, the model
-loaded once for all): plain generation (the runner's answer metrics), mean ablation of layer 3 (a
-preparation pass over the set, then the intervention-effect metrics against a clean prefill per item)
-and the logit lens (every layer read out per item, a top-token table and a layers x positions figure).
+Each repeat runs four real jobs through `ember.run` (a SQLite MLflow store in a temporary folder,
+the model loaded once for all): plain generation (the runner's answer metrics), plain answer scoring
+(one token per item: the items' prompts evaluated in batches), mean ablation of layer 3
+(a preparation pass over the set, then the intervention-effect metrics against a clean prefill per item)
+and the logit lens (every layer of several items read out at once, a top-token table and a layers ×
+positions figure).
 The runs time themselves (`study.engine_seconds`: model evaluations, hooks included;
 `study.experiment_seconds`: experiment code between them; `study.runner_seconds`: everything else of the
 study, the results page included, up to its last MLflow call). The job's own overhead beside them is
@@ -42,6 +44,7 @@ from typing import Any
 TARGET = 0.10  # runner time / engine time, per job (issue 25)
 JOBS = {
     "generate": ["max_new_tokens=8"],
+    "answer_scoring": ["max_new_tokens=1"],
     "mean_ablation": ["experiment=ablation", "layer=3", "experiments.0.mode=mean", "max_new_tokens=8"],
     "logit_lens": ["experiment=logit_lens"],
 }

@@ -15,7 +15,8 @@ from ember.experiments.readout import log_softmax
 from ember.experiments.steering import Steering, make_direction
 from ember.experiments.study import Evaluation
 from ember.experiments.zero_layer_output import ZeroLayerOutput
-from ember.runs.study import Evaluator, drive, evaluate_request, run_item, run_prepare
+from ember.rows import BatchEntry
+from ember.runs.study import Evaluator, drive, evaluate_request, run_item, run_items, run_prepare
 from ember.runs.study_plan import study_item
 
 
@@ -79,9 +80,12 @@ def test_logit_lens_last_layer_is_the_models_prediction(smollm2):
     lens = LogitLens(top_k=3, figure_items=1)
     result = run_item(smollm2, lens, item)
     layers = smollm2.config.layer_count
-    model_probs = np.exp(log_softmax(smollm2.logits(list(item.token_ids))[-1]))
-    expected = float(model_probs[item.answer_id])
+    # the lens is batched: its prompt is evaluated as a batch (of one here), whose logits it reports exactly
+    evaluated = smollm2.evaluate_batch([BatchEntry(np.asarray(item.token_ids, np.int64))]).logits[0]
+    expected = float(np.exp(log_softmax(evaluated))[item.answer_id])
     assert result.series["target_prob"][layers - 1] == pytest.approx(expected, abs=1e-12)
+    generated = float(np.exp(log_softmax(smollm2.logits(list(item.token_ids))[-1]))[item.answer_id])
+    assert result.series["target_prob"][layers - 1] == pytest.approx(generated, abs=1e-5)
     assert result.series["kl_to_final"][layers - 1] == pytest.approx(0.0, abs=1e-12)
     assert result.series["target_rank"][layers - 1] == 0.0  # SmolLM2 knows Paris
     assert len(result.series["target_prob"]) == layers
@@ -90,6 +94,29 @@ def test_logit_lens_last_layer_is_the_models_prediction(smollm2):
     assert [r["token"] for r in top][0] == " Paris" and len(top) == 3
     assert results.arrays["item0_target_probs"].shape == (layers, len(item.token_ids))
     assert "item0_layers_by_positions" in results.figures
+
+
+def test_logit_lens_items_batched_equal_one_at_a_time(smollm2):
+    items = items_of(smollm2, "capitals", 6)
+    alone = LogitLens(top_k=3, figure_items=2)
+    one_by_one = [run_item(smollm2, alone, item) for item in items]
+    together = LogitLens(top_k=3, figure_items=2)
+    batched = run_items(smollm2, together, items)   # one batch, every layer's rows read out at once
+    for a, b in zip(one_by_one, batched, strict=True):
+        assert a.row == b.row and a.values["first_layer_top1"] == b.values["first_layer_top1"]
+        series = {name: (np.array(list(a.series[name].values())), np.array(list(b.series[name].values())))
+                  for name in a.series}
+        # float32 rounding of batched products: logits of magnitude ~20 agree within 1e-5 relative of that
+        np.testing.assert_allclose(*series["target_logit"], rtol=0, atol=2e-4)
+        np.testing.assert_allclose(*series["target_prob"], rtol=0, atol=1e-5)
+        np.testing.assert_allclose(*series["kl_to_final"], rtol=1e-4, atol=1e-4)
+        assert np.abs(series["target_rank"][0] - series["target_rank"][1]).max() <= 1  # near ties may swap
+    assert [r["item"] for r in together.results().tables["top_tokens"]] == \
+        [r["item"] for r in alone.results().tables["top_tokens"]]
+    maps_alone, maps_together = alone.results().arrays, together.results().arrays
+    assert sorted(maps_together) == ["item0_target_probs", "item1_target_probs"] == sorted(maps_alone)
+    for name, probs in maps_alone.items():
+        np.testing.assert_allclose(maps_together[name], probs, rtol=0, atol=1e-5)
 
 
 def test_patching_all_positions_restores_everything_and_none_nothing(smollm2):

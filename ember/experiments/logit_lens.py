@@ -7,7 +7,12 @@ answer (its first token), or without an answer the model's own prediction (the t
 layer, which is the model's output). Per layer: the target's probability, rank (0 = top) and logit, the
 KL divergence of the model's final distribution from this layer's, and the top-k tokens. At the last
 layer the readout equals the model's logits bit for bit (tested), so the last layer's values are the
-model's own.
+model's own: the lens takes them from the evaluation's logits.
+
+Batched (contract v0.3): several items' prompts are evaluated as one batch, each sequence tagged with
+its item's request. The hooks copy the rows each item needs at every layer; once the batch's layers are
+done (`after_logits`) all of them go through the readout in one product, which costs far less per row
+than one product per layer and item (SmolLM2, 1 thread, CPU time: one row 28 ms, 232 rows 2.6 ms a row).
 
 Series (step = layer): `target_prob`, `target_rank`, `target_logit`, `kl_to_final`. Figures: for the first
 `figure_items` items, a layers x positions map of the probability each layer gives the token that
@@ -17,14 +22,22 @@ token written in the cell.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Generator, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ember.errors import ConfigError
 from ember.experiments.base import Experiment
-from ember.experiments.context import ExecutionPhase, LayerContext, ModelContext, TensorAccess
+from ember.experiments.context import (
+    ExecutionContext,
+    ExecutionPhase,
+    LayerContext,
+    ModelContext,
+    TensorAccess,
+)
 from ember.experiments.failure import ExperimentError
 from ember.experiments.labels import shorten, token_label
 from ember.experiments.readout import log_softmax
@@ -35,6 +48,16 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 
+@dataclass(frozen=True, slots=True)
+class _Request:
+    """The tag of one item's evaluation: which item, and whether every position is read out (its
+    figure) or only the last."""
+
+    item: int
+    serial: int  # apart even when the same item is evaluated twice in one batch
+    every_position: bool
+
+
 class LogitLens(Experiment):
     """Read every layer's residual through the final norm and unembedding.
 
@@ -43,6 +66,7 @@ class LogitLens(Experiment):
     """
 
     may_write = False
+    batched = True  # contract v0.3: its hooks read each sequence's rows by `ctx.spans`
 
     def __init__(self, top_k: int = 5, figure_items: int = 1, name: str = "logit_lens") -> None:
         if top_k < 1:
@@ -53,8 +77,11 @@ class LogitLens(Experiment):
         self.top_k = top_k
         self.figure_items = figure_items
         self._readout: Any = None
-        self._layer_logits: dict[int, np.ndarray] = {}
-        self._every_position = False  # this item gets a layers x positions figure
+        self._layer_count = 0
+        self._serial = itertools.count()
+        self._figures_claimed = 0  # items that asked for every position (their figure)
+        self._hidden: dict[_Request, dict[int, np.ndarray]] = {}   # rows copied at each layer
+        self._logits: dict[_Request, dict[int, np.ndarray]] = {}   # their readout, per layer
         self._top_rows: list[dict[str, Any]] = []
         self._maps: list[dict[str, Any]] = []
         self._model = ""
@@ -63,28 +90,60 @@ class LogitLens(Experiment):
         if ctx.readout is None:
             raise ExperimentError("this engine offers no readout (contract v0.2), which the logit lens needs")
         self._readout = ctx.readout
+        self._layer_count = ctx.layer_count
         self._model = ctx.model_id or ctx.architecture
 
-    def before_prefill(self, ctx: Any) -> None:
-        self._layer_logits = {}
+    def before_prefill(self, ctx: ExecutionContext) -> None:
+        self._hidden = {}  # nothing left of an evaluation that did not finish
 
     def after_layer(self, ctx: LayerContext, hidden: TensorAccess) -> None:
-        if ctx.execution.phase is ExecutionPhase.PREFILL:
-            rows = hidden.values() if self._every_position else hidden.values()[-1:]
-            self._layer_logits[ctx.layer_index] = self._readout.logits(rows)
+        if ctx.execution.phase is not ExecutionPhase.PREFILL:
+            return
+        values = hidden.values()
+        final = ctx.layer_index == self._layer_count - 1
+        for span in ctx.spans:
+            request = span.tag
+            if not isinstance(request, _Request):
+                continue  # not one of this lens's items (a plain generation)
+            first = span.rows.start if request.every_position else span.rows.stop - 1
+            # the final layer's last row is the model's own logits: taken from the evaluation
+            stop = span.rows.stop - 1 if final else span.rows.stop
+            if first < stop:
+                self._hidden.setdefault(request, {})[ctx.layer_index] = values[first:stop].copy()
+
+    def after_logits(self, ctx: ExecutionContext, logits: TensorAccess) -> None:
+        if ctx.phase is ExecutionPhase.PREFILL and self._hidden:
+            self._read_out()
+
+    def _read_out(self) -> None:
+        """Every row the hooks copied, through the readout in one product; kept per request and layer."""
+        parts = [(request, layer, rows) for request, by_layer in self._hidden.items()
+                 for layer, rows in by_layer.items()]
+        self._hidden = {}
+        logits = self._readout.logits(np.concatenate([rows for _, _, rows in parts]))
+        offset = 0
+        for request, layer, rows in parts:
+            self._logits.setdefault(request, {})[layer] = logits[offset:offset + len(rows)]
+            offset += len(rows)
 
     # -- a study item ------------------------------------------------------------------------------
 
     def evaluate_item(self, item: StudyItem) -> Generator[Evaluation, np.ndarray, ItemResult]:
-        self._every_position = len(self._maps) < self.figure_items
-        model_logits = yield Evaluation(item.token_ids)
-        layers = sorted(self._layer_logits)
-        stack = np.stack([self._layer_logits[layer] for layer in layers])  # [L, T, V]
+        every_position = self._figures_claimed < self.figure_items
+        self._figures_claimed += int(every_position)
+        request = _Request(item.index, next(self._serial), every_position)
+        model_logits = yield Evaluation(item.token_ids, tag=request)
+        read = self._logits.pop(request, {})
+        layers = list(range(self._layer_count))
+        final = np.asarray(model_logits, np.float32).reshape(1, -1)
+        per_layer = [read[layer] for layer in layers[:-1]]
+        per_layer.append(np.concatenate([read[layers[-1]], final]) if layers[-1] in read else final)
+        stack = np.stack(per_layer)                                         # [L, T or 1, V]
         last = stack[:, -1, :]
         target = item.answer_id if item.answer_id is not None else int(np.argmax(model_logits))
         log_probs = log_softmax(last)                                       # [L, V]
-        final = log_probs[-1]
-        kl = (np.exp(final) * (final - log_probs)).sum(axis=-1)
+        final_log_probs = log_probs[-1]
+        kl = (np.exp(final_log_probs) * (final_log_probs - log_probs)).sum(axis=-1)
         series = {
             "target_prob": np.exp(log_probs[:, target]),
             "target_rank": (last > last[:, target:target + 1]).sum(axis=-1).astype(np.float64),
@@ -99,9 +158,8 @@ class LogitLens(Experiment):
                 self._top_rows.append({"item": item.index, "layer": layer, "rank": rank, "token_id": token,
                                        "token": texts[i * self.top_k + rank],
                                        "prob": float(np.exp(log_probs[i, token]))})
-        if self._every_position:
+        if every_position:
             self._maps.append(self._position_map(item, stack, target))
-        self._layer_logits = {}
         target_text = self._readout.token_text([target])[0]
         by_layer = {name: {layer: float(v) for layer, v in zip(layers, values, strict=True)}
                     for name, values in series.items()}

@@ -126,6 +126,8 @@ def _matvec(groups: list[KernelGroup], x: np.ndarray, out: np.ndarray) -> np.nda
 
 def _small_batch(groups: list[KernelGroup], x: np.ndarray, out: np.ndarray) -> np.ndarray:
     """`kernels.matmul_rows` on contiguous operands (one compiled variant; the copies are a few rows)."""
+    if x.shape[0] == 0:  # a batch's layer that no sequence has reached yet
+        return out
     contiguous = out if out.flags.c_contiguous else np.empty(out.shape, np.float32)
     rows = np.ascontiguousarray(x)
     piece = max(4, PIECE_VALUES // x.size)
