@@ -19,6 +19,8 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +40,18 @@ def settings(tbb_lib: str | None) -> dict[str, tuple[int, dict[str, str]]]:
         chosen["2 threads, tbb layer"] = (2, {"NUMBA_THREADING_LAYER": "tbb",
                                               "LD_LIBRARY_PATH": library_path})
     return chosen
+
+
+@contextmanager
+def busy_core(busy: bool = True) -> Iterator[None]:
+    """One core kept busy by a spinning Python process for the block (nothing when `busy` is false)."""
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy else None
+    try:
+        yield
+    finally:
+        if spinner is not None:
+            spinner.kill()
+            spinner.wait()
 
 
 def worker(threads: int) -> dict[str, Any]:
@@ -91,10 +105,7 @@ def main(argv: list[str] | None = None) -> None:
     started = time.time()
     for round_number in range(args.rounds):
         for state in ("idle", "busy") if round_number % 2 == 0 else ("busy", "idle"):
-            spinner = None
-            if state == "busy":
-                spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-            try:
+            with busy_core(state == "busy"):
                 names = list(chosen) if round_number % 2 == 0 else list(reversed(chosen))
                 for name in names:
                     threads, env = chosen[name]
@@ -102,10 +113,6 @@ def main(argv: list[str] | None = None) -> None:
                     results[name][state].append(result)
                     print(f"round {round_number + 1} {state:4} {name:36} {result}", file=sys.stderr,
                           flush=True)
-            finally:
-                if spinner is not None:
-                    spinner.kill()
-                    spinner.wait()
     print(f"\nSmolLM2, medians over {args.rounds} rounds ({time.time() - started:.0f} s, load average "
           f"{os.getloadavg()[0]:.1f} at the end): evaluate 5 tokens ms / prefill 64 tok/s / decode tok/s")
     for name, states in results.items():
