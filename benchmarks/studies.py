@@ -362,8 +362,8 @@ def part_extract(args: argparse.Namespace, sizes: dict[str, int]) -> tuple[list[
     prefill_tps, extract_tps = statistics.median(prefill), statistics.median(extract)
     ratio = extract_tps / prefill_tps
     figures = {"prompts": len(prompts), "tokens": tokens, "extract_tps": extract, "prefill_tps": prefill}
-    return [(f"extract {len(prompts)} prompts ({tokens} tokens)", f"{extract_tps:.0f} tok/s",
-             f"prefill {PREFILL_TOKENS}: {prefill_tps:.0f} tok/s", f"{ratio:.2f}",
+    return [(f"extract {len(prompts)} prompts ({tokens} tokens)", f"{extract_tps:.1f} tok/s",
+             f"prefill {PREFILL_TOKENS}: {prefill_tps:.1f} tok/s", f"{ratio:.2f}",
              verdict(ratio >= TARGETS["extract_ratio"]) + f" (>= {TARGETS['extract_ratio']})")], figures
 
 
