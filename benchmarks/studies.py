@@ -3,7 +3,7 @@ for residual patching, against a batched PyTorch peer in the same run.
 
     python -m benchmarks.studies                          # every part but --big, 2 threads, medians of 3
     python -m benchmarks.studies --quick                  # fewer items (scaled up where a target needs all)
-    python -m benchmarks.studies --only patching,lens     # some parts (patching tracing lens extract big)
+    python -m benchmarks.studies --only patching,lens     # some parts (patching tracing lens extract big busy)
     python -m benchmarks.studies --big                    # also the Llama-3.2-1B-shaped file (slow today)
     python -m benchmarks.studies --busy-core              # patching at 1 and 2 threads, one core kept busy
     python -m benchmarks.studies --repeats 5 --json out.json
@@ -54,7 +54,7 @@ from typing import Any
 import numpy as np
 
 MODEL = "smollm2-135m"
-PARTS = ("patching", "tracing", "lens", "extract", "big")
+PARTS = ("patching", "tracing", "lens", "extract", "big", "busy")
 CAPITALS = 54
 # Issue 25's targets.
 TARGETS = {
@@ -402,7 +402,7 @@ def part_busy(args: argparse.Namespace, sizes: dict[str, int]) -> tuple[list[Row
 
 
 RUNNERS = {"patching": part_patching, "tracing": part_tracing, "lens": part_lens, "extract": part_extract,
-           "big": part_big}
+           "big": part_big, "busy": part_busy}
 
 
 def print_table(rows: list[Row]) -> None:
@@ -440,10 +440,10 @@ def main(argv: list[str] | None = None) -> None:
         if unknown:
             parser.error(f"unknown parts {unknown}; choose from {', '.join(PARTS)}")
     else:
-        parts = [p for p in PARTS if p != "big" or args.big]
+        parts = [p for p in PARTS if p not in ("big", "busy")] + ["big"] * args.big
+    if args.busy_core and "busy" not in parts:
+        parts.append("busy")
     runners = {p: RUNNERS[p] for p in parts}
-    if args.busy_core:
-        runners["busy"] = part_busy
     started = time.time()
     rows: list[Row] = []
     figures: dict[str, Any] = {}
