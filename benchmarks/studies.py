@@ -3,7 +3,7 @@ for residual patching, against a batched PyTorch peer in the same run.
 
     python -m benchmarks.studies                          # every part but --big, 2 threads, medians of 3
     python -m benchmarks.studies --quick                  # fewer items (scaled up where a target needs all)
-    python -m benchmarks.studies --only patching,lens     # some parts (patching tracing lens extract big busy)
+    python -m benchmarks.studies --only patching,lens     # some of: patching tracing lens extract big busy
     python -m benchmarks.studies --big                    # also the Llama-3.2-1B-shaped file (slow today)
     python -m benchmarks.studies --busy-core              # patching at 1 and 2 threads, one core kept busy
     python -m benchmarks.studies --repeats 5 --json out.json
