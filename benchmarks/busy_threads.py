@@ -21,6 +21,8 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +31,18 @@ PROMPT = "The capital of France is Paris, and the capital of Germany is"
 PHASES = {"evaluate 5": "tokens/s", "prefill 128": "tokens/s", "prefill 256": "tokens/s",
           "decode": "tokens/s"}
 ROOT = Path(__file__).resolve().parent.parent
+
+
+@contextmanager
+def busy_core(busy: bool = True) -> Iterator[None]:
+    """One core kept busy by a spinning Python process for the block (nothing when `busy` is false)."""
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy else None
+    try:
+        yield
+    finally:
+        if spinner is not None:
+            spinner.kill()
+            spinner.wait()
 
 
 def worker(threads: int) -> dict[str, Any]:
@@ -67,11 +81,6 @@ def run_one(threads: int, code: Path) -> dict[str, Any]:
     if done.returncode != 0:
         return {"error": done.stderr.strip().splitlines()[-1:]}
     return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def spinner() -> subprocess.Popen:
-    """Another process keeping one core busy until killed."""
-    return subprocess.Popen([sys.executable, "-c", "while True: pass"])
 
 
 def median_of(results: list[dict[str, Any]], phase: str) -> float | None:
@@ -120,18 +129,13 @@ def main(argv: list[str] | None = None) -> None:
     for round_number in range(args.rounds):
         forward = round_number % 2 == 0
         for state in states if forward else states[::-1]:
-            busy = spinner() if state == "busy" else None
-            try:
+            with busy_core(state == "busy"):
                 for code in codes if forward else list(codes)[::-1]:
                     for threads in (1, 2) if forward else (2, 1):
                         result = run_one(threads, codes[code])
                         results[code][state][threads].append(result)
                         print(f"round {round_number + 1} {state:4} {code} {threads} thread(s) {result}",
                               file=sys.stderr, flush=True)
-            finally:
-                if busy is not None:
-                    busy.kill()
-                    busy.wait()
     print(f"\nSmolLM2, tokens/s, medians over {args.rounds} rounds ({time.time() - started:.0f} s, load "
           f"average {os.getloadavg()[0]:.1f} at the end; busy: one core kept busy by a spin loop)")
     print(table(results, states))
