@@ -15,7 +15,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -330,6 +330,7 @@ class Model:
         `observer`: a hooks adapter that sees the whole batch (`begin_batch`). A batch larger than
         `batch_memory` is evaluated in several parts. Nothing is cached for generation afterwards."""
         layer_count = self.config.layer_count
+        entries = [replace(entry, token_ids=np.asarray(entry.token_ids, np.int64)) for entry in entries]
         for index, entry in enumerate(entries):
             try:
                 check_entry(entry, layer_count)
