@@ -88,8 +88,10 @@ def resolve_layers(layers: str | Sequence[int] | None, layer_count: int) -> list
 
 
 # Prompts go to the engine in groups of about this many tokens (`Model.evaluate_batch`, which splits a
-# group further by `Model.batch_memory`); progress is reported per group. Measured on SmolLM2 (1,000
-# prompts of 5-12 tokens, busy 2-core machine): see benchmarks/bench_extract.py and its README entry.
+# group further by `Model.batch_memory`); progress is reported per group, and a group's activations and
+# logits are all that is held (SmolLM2: ~40 MB of workspace and ~30 MB of logits for 1,024 tokens of
+# short prompts). Measured with benchmarks/bench_extract.py (SmolLM2, 2 threads, 1,000 prompts of 5-12
+# tokens, busy shared machine, medians of 3): groups of 256 tokens 60 tok/s, 1,024 218 tok/s, 2,048 161.
 GROUP_TOKENS = 1024
 
 
@@ -105,10 +107,9 @@ class StatePooler:
         self.pool = pool
         self.prompts: Sequence[int] = ()  # the prompt (row of `states`) of each sequence, caller's order
         self._batch: BatchLayout | None = None
-        self._rows = 0
 
     def begin_evaluation(self, phase: ExecutionPhase, start_position: int, token_count: int) -> None:
-        self._batch, self._rows = None, int(token_count)
+        self._batch = None  # one sequence: prompts[0]
 
     def begin_batch(self, rows: Any) -> None:
         self._batch = batch_layout(rows)
