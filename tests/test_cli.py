@@ -204,8 +204,8 @@ def test_extract_writes_states(fixture_model, tmp_path: Path) -> None:
     code = cli.main(["extract", str(prompts), "--layers", "0,-1", "--stage", "after_attention", "--pool",
                      "mean", "--out", str(out), "--trace", str(trace), *_mlflow(tmp_path)])
     assert code == cli.EXIT_OK
-    spans = [e["name"] for e in json.loads(trace.read_text())["traceEvents"]]
-    assert spans.count("prefill") == 2
+    prefills = [e for e in json.loads(trace.read_text())["traceEvents"] if e["name"] == "prefill"]
+    assert [e["args"]["sequences"] for e in prefills] == [2]  # the two prompts in one batch
     with np.load(out) as saved:
         assert saved["states"].shape == (2, 2, fixture_model.config.hidden_size)
         assert list(saved["layers"]) == [0, fixture_model.config.layer_count - 1]
