@@ -10,15 +10,26 @@ from gguf import GGMLQuantizationType as Q
 
 from ember.quant import compute_threads, kernels
 from ember.quant.matrix import (
-    SMALL_BATCH,
+    SMALL_BATCH_AVX512,
     TILE_VALUES,
-    TRANSPOSED_BELOW,
+    TRANSPOSED_BELOW_AVX512,
     QuantizedMatrix,
     StackedMatrix,
     tile_rows,
 )
 
 RNG = np.random.default_rng(11)
+# Every product path is exercised whatever this CPU picks by default (`matrix.AVX512`): the AVX-512
+# thresholds route some row counts to each of matvec, matmul_rows, tile_product and OpenBLAS.
+SMALL_BATCH, TRANSPOSED_BELOW = SMALL_BATCH_AVX512, TRANSPOSED_BELOW_AVX512
+
+
+@pytest.fixture(autouse=True)
+def every_path(monkeypatch):
+    import ember.quant.matrix as matrix_module
+
+    monkeypatch.setattr(matrix_module, "SMALL_BATCH", SMALL_BATCH)
+    monkeypatch.setattr(matrix_module, "TRANSPOSED_BELOW", TRANSPOSED_BELOW)
 KERNEL_TYPES = [record.qtype for record in kernels.BLOCK_TYPES.values()]
 
 

@@ -45,7 +45,7 @@ MIN_TILES = 4
 # Below this many activation rows `kernels.matmul_rows` multiplies; from it on, tiles and BLAS. Measured
 # (2 threads, prompt tokens/s, row by row / tiles): SmolLM2 at 32 rows 327 / 229, at 64 363 / 385;
 # Gemma 3 270M at 32 368 / 283, at 48 320 / 386.
-SMALL_BATCH = 48
+SMALL_BATCH_AVX512 = 48
 # Below this many activation rows a tile is multiplied by `kernels.tile_product`, from it on by
 # OpenBLAS (x · tileᵀ), which gains on wider products. Measured on one Xeon core (2026-12-02,
 # benchmarks/results/tile-product-2026-12-02-xeon.json), GFLOP/s tile_product / OpenBLAS on the 1B's
@@ -56,7 +56,27 @@ SMALL_BATCH = 48
 # length up to 512 (169/158 and 158/138 there). In the engine (1B shape, 2 threads, prompt tokens/s,
 # in-process A/B alternating, medians of 7, 2026-12-03): 320 tokens 93.6 with OpenBLAS / 100.4 with
 # the kernel, 448 97.0 / 99.1, 512 94.5 / 94.2 (the transpose of x eats the kernel's lead there).
-TRANSPOSED_BELOW = 512
+TRANSPOSED_BELOW_AVX512 = 512
+
+
+def has_avx512() -> bool:
+    """Whether this CPU has AVX-512 (Linux's /proc/cpuinfo flags; False where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            return any(line.startswith("flags") and " avx512f" in line for line in info)
+    except OSError:
+        return False
+
+
+# `kernels.tile_product` keeps 24 accumulators in registers: AVX-512 has 32, AVX2 only 16, so without
+# AVX-512 it spills and loses to OpenBLAS. Measured on an AMD EPYC with AVX2 (2 threads, SmolLM2's
+# matrices, 2026-12-03): tile_product 20-26 GFLOP/s against OpenBLAS 46-70 at 64-480 rows (the LM head
+# 24 vs 62 at 240); `matmul_rows` against tiles + OpenBLAS at 4/8/16/32/47 rows, qkv 244/542/595/739/
+# 1289 µs vs 720/799/969/1020/1114, gate_up 776/831/1396/2221/2735 vs 1135/864/1021/1231/1830. So there:
+# rows from 16 on go to tiles, and every tile to OpenBLAS.
+AVX512 = has_avx512()
+SMALL_BATCH = SMALL_BATCH_AVX512 if AVX512 else 16
+TRANSPOSED_BELOW = TRANSPOSED_BELOW_AVX512 if AVX512 else 0
 # Decode and short prompts share a product's rows among the threads in pieces of about PIECE_VALUES
 # weights (times the activation rows), each taken by the next thread to finish one (`kernels.matvec`):
 # a thread whose core another process took holds back one piece. 2^16 weights are ~10 µs of decode on
