@@ -53,6 +53,8 @@ class Stage:
 STAGES: tuple[Stage, ...] = (
     Stage("before_layer", Scope.LAYER, "hidden", "tokens", "hidden",
           "The residual stream entering layer `ctx.layer_index`"),
+    Stage("attention_heads", Scope.LAYER, "heads", "tokens", "heads × head_dim",
+          "Each head's attention output before the output projection, head h in columns h·head_dim…"),
     Stage("after_attention", Scope.LAYER, "attention_output", "tokens", "hidden",
           "The attention block's contribution to the residual, before it is added"),
     Stage("after_mlp", Scope.LAYER, "mlp_output", "tokens", "hidden",

@@ -53,6 +53,9 @@ class Recorder:
     def before_layer(self, i, hidden) -> None:
         self._keep("before_layer", hidden)
 
+    def attention_heads(self, i, heads) -> None:
+        pass
+
     def after_attention(self, i, value) -> None:
         self._keep("after_attention", value)
 

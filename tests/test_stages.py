@@ -38,7 +38,7 @@ def test_the_table_is_well_formed() -> None:
     assert len(set(NAMES)) == len(NAMES)
     for stage in STAGES:
         assert stage.name.isidentifier() and stage.argument.isidentifier(), stage
-        assert stage.rows in ("tokens", "1") and stage.width in ("hidden", "vocab"), stage
+        assert stage.rows in ("tokens", "1") and stage.width in ("hidden", "vocab", "heads × head_dim"), stage
         assert stage.phases and stage.phases <= set(ExecutionPhase), stage
         assert stage.meaning and not stage.meaning.endswith("."), stage
     assert ALL_HOOKS[2:-1] == NAMES
@@ -215,7 +215,8 @@ def test_the_engine_fires_every_stage_where_the_table_says(smollm2) -> None:
     order = ([(s.name, None) for s in MODEL_STAGES if s not in HEAD_STAGES]
              + [(s.name, i) for i in range(config.layer_count) for s in LAYER_STAGES]
              + [(s.name, None) for s in HEAD_STAGES])
-    width = {"hidden": config.hidden_size, "vocab": config.vocab_size}
+    width = {"hidden": config.hidden_size, "vocab": config.vocab_size,
+             "heads × head_dim": config.head_count * config.head_dim}
     for evaluation in range(1 + generation.timings.decode_evaluations):
         records = [r for r in recorder.records if r.evaluation == evaluation]
         phase = records[0].phase

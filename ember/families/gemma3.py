@@ -234,7 +234,7 @@ class Gemma3Forward:
             h, ws = rows.enter(i)
             hooks.before_layer(i, h)
             x = self.norm(h, layer.attn_norm, ws)
-            o = self.attention(i, layer, x, rows, ws)
+            o = self.attention(i, layer, x, rows, ws, hooks)
             a = self.post_norm(o, layer.post_attention_norm, ws)
             hooks.after_attention(i, a)
             h += a
@@ -261,7 +261,8 @@ class Gemma3Forward:
         """RMSNorm(o, weight) in place (the sandwich norm after attention and MLP)."""
         return rms_norm(o, weight, self.config.rms_norm_eps, o, ws.row_scratch)
 
-    def attention(self, i: int, layer: LayerWeights, x: np.ndarray, rows: Rows, ws: Workspace) -> np.ndarray:
+    def attention(self, i: int, layer: LayerWeights, x: np.ndarray, rows: Rows, ws: Workspace,
+                  hooks: Any) -> np.ndarray:
         """o = attention(q, k, v) Woᵀ, q, k, v = x Wqᵀ, x Wkᵀ, x Wvᵀ with q, k RMSNorm-ed per head then
         rotated with layer i's rope; each row attends over its own sequence's keys, within the window on
         a sliding layer (k, v go to layer i's cache). Returns ws.attention_output."""
@@ -283,6 +284,7 @@ class Gemma3Forward:
                    k_scratch)
         rows.attend(i, q, k, v, scale=c.attention_scale, window=self.layer_window[i], out=ws.attention_heads,
                     ws=ws)
+        hooks.attention_heads(i, ws.attention_heads)
         return linear(ws.attention_heads, layer.attn_output, ws.attention_output)
 
     def mlp(self, layer: LayerWeights, y: np.ndarray, ws: Workspace) -> np.ndarray:

@@ -436,7 +436,7 @@ class Gemma4Forward:
             h, ws = rows.enter(i)
             hooks.before_layer(i, h)
             x = self.norm(h, layer.attn_norm, ws)
-            o = self.attention(i, layer, x, rows, ws)
+            o = self.attention(i, layer, x, rows, ws, hooks)
             a = self.post_norm(o, layer.post_attention_norm, ws)
             hooks.after_attention(i, a)
             h += a
@@ -464,7 +464,8 @@ class Gemma4Forward:
         """RMSNorm(o, weight) in place (after attention, MLP and the PLE term)."""
         return rms_norm(o, weight, self.config.rms_norm_eps, o, ws.row_scratch)
 
-    def attention(self, i: int, layer: LayerWeights, x: np.ndarray, rows: Rows, ws: Workspace) -> np.ndarray:
+    def attention(self, i: int, layer: LayerWeights, x: np.ndarray, rows: Rows, ws: Workspace,
+                  hooks: Any) -> np.ndarray:
         """o = attention(q, k, v) Woᵀ with layer i's geometry and rope: q = rope(RMSNorm(x Wqᵀ)) per head;
         a layer that owns K/V forms k = rope(RMSNorm(x Wkᵀ)), v = RMSNorm(x Wvᵀ or the raw k) (stored, and
         kept for the layers sharing them); a shared layer reads its source's. Each row attends over its
@@ -499,6 +500,7 @@ class Gemma4Forward:
             rows.attend(i, q, k, v, scale=1.0, window=window, out=heads, ws=ws, keep=True)
         else:
             rows.attend_shared(i, c.kv_source[i], q, scale=1.0, window=window, out=heads, ws=ws)
+        hooks.attention_heads(i, heads)
         return linear(heads, layer.attn_output, ws.attention_output)
 
     def mlp(self, i: int, layer: LayerWeights, y: np.ndarray, ws: Workspace) -> np.ndarray:

@@ -207,7 +207,7 @@ class LlamaForward:
             h, ws = rows.enter(i)
             hooks.before_layer(i, h)
             x = self.norm(h, layer.attn_norm, ws)
-            a = self.attention(i, layer, x, rows, ws)
+            a = self.attention(i, layer, x, rows, ws, hooks)
             hooks.after_attention(i, a)
             h += a
             y = self.norm(h, layer.ffn_norm, ws)
@@ -224,7 +224,8 @@ class LlamaForward:
         """RMSNorm(h, weight) into ws.normed."""
         return rms_norm(h, weight, self.config.rms_norm_eps, ws.normed, ws.row_scratch)
 
-    def attention(self, i: int, layer: LayerWeights, x: np.ndarray, rows: Rows, ws: Workspace) -> np.ndarray:
+    def attention(self, i: int, layer: LayerWeights, x: np.ndarray, rows: Rows, ws: Workspace,
+                  hooks: Any) -> np.ndarray:
         """a = attention(rope(q), rope(k), v) Woᵀ with q, k, v = x Wqᵀ, x Wkᵀ, x Wvᵀ (qwen3: q, k
         RMSNorm-ed per head before rope); each row attends over its own sequence's keys (k, v go to
         layer i's cache). Returns ws.attention_output."""
@@ -245,6 +246,7 @@ class LlamaForward:
         apply_rope(k, cos, sin, c.rope_layout, c.rope_dim, ws.rope_a[:, :n_kv], ws.rope_b[:, :n_kv],
                    k_scratch)
         rows.attend(i, q, k, v, scale=self.scale, window=0, out=ws.attention_heads, ws=ws)
+        hooks.attention_heads(i, ws.attention_heads)
         return linear(ws.attention_heads, layer.attn_output, ws.attention_output)
 
     def mlp(self, layer: LayerWeights, y: np.ndarray, ws: Workspace) -> np.ndarray:
