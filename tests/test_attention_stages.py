@@ -1,8 +1,9 @@
-"""The stages inside attention (the per-head outputs) against transformers
+"""The stages inside attention (queries, keys, values, per-head outputs) against transformers
 float32 with eager attention, on every family: tiny Qwen3 and Gemma 4 (random weights, GQA, QK-norm,
 sliding windows, shared KV), real SmolLM2 (llama: permuted Q/K rows) and Gemma 3 270M. Compared per
-evaluation (a prefill, then decode steps) and layer: HF's output projection's input. Relative error of
-a tensor = max |ember − hf| / max |hf|; every one must be ≤ 1e-4.
+evaluation (a prefill, then decode steps) and layer: HF's eager attention function's query, key (the
+evaluated rows') and value, and its output projection's input. Relative error of a tensor =
+max |ember − hf| / max |hf|; every one must be ≤ 1e-4.
 """
 
 from __future__ import annotations
@@ -20,13 +21,14 @@ from ember.experiments.context import ExecutionPhase  # noqa: E402
 from ember.families import FAMILIES  # noqa: E402
 from ember.gguf_file import GGUFFile  # noqa: E402
 from ember.inspection import BoundaryRecorder  # noqa: E402
-from ember.stages import BY_NAME  # noqa: E402
+from ember.stages import BY_NAME, STAGES  # noqa: E402
 from ember.weights import WeightStore  # noqa: E402
 
 pytestmark = pytest.mark.reference
 
 TOLERANCE = 1e-4
-INSIDE = ("attention_heads",)
+INSIDE = tuple(s.name for s in STAGES[STAGES.index(BY_NAME["attention_queries"]):
+                                      STAGES.index(BY_NAME["attention_heads"]) + 1])
 
 
 # -- ember ------------------------------------------------------------------------------------------
@@ -43,9 +45,11 @@ class Adapter:
 
     def __init__(self, inner, change=None) -> None:
         self.inner, self.change = inner, change
+        self.listening = inner.listening
 
     def begin_evaluation(self, *args) -> None:
         self.inner.begin_evaluation(*args)
+        self.listening = self.inner.listening
 
     def __getattr__(self, name):
         method = getattr(self.inner, name)

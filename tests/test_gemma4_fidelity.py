@@ -50,6 +50,8 @@ class Recorder:
         assert value.dtype == np.float32 and value.ndim == 2 and value.flags.c_contiguous
         self.evaluations[-1][boundary].append(value.copy())
 
+    listening = frozenset()  # none of the on-demand stages inside attention (ember.stages.listened)
+
     def before_layer(self, i, hidden) -> None:
         self._keep("before_layer", hidden)
 

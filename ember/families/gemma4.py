@@ -41,10 +41,12 @@ from typing import Any
 
 import numpy as np
 
+from ember import stages
 from ember.buffers import aligned_zeros
 from ember.config import MetadataReader, ModelConfig, RopeLayout
 from ember.errors import GGUFError
 from ember.families.head import final_norm_and_logits, readout_logits
+from ember.families.inside import show_inputs
 from ember.families.workspace import head_of
 from ember.gguf_file import GGUFFile
 from ember.kv_cache import LayeredKVCache
@@ -427,6 +429,7 @@ class Gemma4Forward:
         sequence's last row, or of every row when all_logits."""
         c, w = self.config, self.weights
         rows.begin(hooks, phase)
+        listened = stages.listened(hooks)  # the on-demand stages inside attention that hooks listen at
 
         ws, T = rows.ws, rows.count
         self.embed(rows.token_ids, ws.hidden)
@@ -436,7 +439,7 @@ class Gemma4Forward:
             h, ws = rows.enter(i)
             hooks.before_layer(i, h)
             x = self.norm(h, layer.attn_norm, ws)
-            o = self.attention(i, layer, x, rows, ws, hooks)
+            o = self.attention(i, layer, x, rows, ws, hooks, listened)
             a = self.post_norm(o, layer.post_attention_norm, ws)
             hooks.after_attention(i, a)
             h += a
@@ -465,7 +468,7 @@ class Gemma4Forward:
         return rms_norm(o, weight, self.config.rms_norm_eps, o, ws.row_scratch)
 
     def attention(self, i: int, layer: LayerWeights, x: np.ndarray, rows: Rows, ws: Workspace,
-                  hooks: Any) -> np.ndarray:
+                  hooks: Any, listened: frozenset[str]) -> np.ndarray:
         """o = attention(q, k, v) Woᵀ with layer i's geometry and rope: q = rope(RMSNorm(x Wqᵀ)) per head;
         a layer that owns K/V forms k = rope(RMSNorm(x Wkᵀ)), v = RMSNorm(x Wvᵀ or the raw k) (stored, and
         kept for the layers sharing them); a shared layer reads its source's. Each row attends over its
@@ -497,8 +500,12 @@ class Gemma4Forward:
             rms_norm(k, layer.k_norm, eps, k, ws.head_scratch[:T, :n_kv])
             rms_norm(v, None, eps, v, ws.head_scratch[:T, :n_kv])
             apply_rope(k, cos, sin, RopeLayout.NEOX, rope_dim, *(s[:, :n_kv] for s in rope_scratch))
+            if listened:
+                show_inputs(hooks, i, listened, q, k, v)
             rows.attend(i, q, k, v, scale=1.0, window=window, out=heads, ws=ws, keep=True)
         else:
+            if listened:  # the keys and values are the source layer's, shown (and writable) there
+                show_inputs(hooks, i, listened, q, None, None)
             rows.attend_shared(i, c.kv_source[i], q, scale=1.0, window=window, out=heads, ws=ws)
         hooks.attention_heads(i, heads)
         return linear(heads, layer.attn_output, ws.attention_output)

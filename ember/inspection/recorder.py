@@ -82,6 +82,11 @@ class BoundaryRecorder:
         self._batch: BatchLayout | None = None
         self._active = True
 
+    @property
+    def listening(self) -> frozenset[str]:
+        """The stages it records in this evaluation's phase (the engine forms on-demand stages only there)."""
+        return self.stages if self._active else frozenset()
+
     def begin_evaluation(self, phase: ExecutionPhase, start_position: int, token_count: int) -> None:
         self.evaluations += 1
         self._phase = ExecutionPhase(phase)
