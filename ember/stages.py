@@ -65,6 +65,10 @@ STAGES: tuple[Stage, ...] = (
     Stage("attention_values", Scope.LAYER, "values", "tokens", "kv_heads × head_dim",
           "The evaluated rows' values as attention reads them, KV head j in columns j·head_dim…",
           on_demand=True),
+    Stage("attention_pattern", Scope.LAYER, "pattern", "heads × tokens", "positions",
+          "The attention probabilities, row h·T + t: head h's query at the t-th evaluated row, column p: "
+          "the key at position p of its sequence; writing it sets the weights each head's output is "
+          "formed with", on_demand=True),
     Stage("attention_heads", Scope.LAYER, "heads", "tokens", "heads × head_dim",
           "Each head's attention output before the output projection, head h in columns h·head_dim…"),
     Stage("after_attention", Scope.LAYER, "attention_output", "tokens", "hidden",

@@ -1,9 +1,9 @@
-"""The stages inside attention (queries, keys, values, per-head outputs) against transformers
+"""The stages inside attention (queries, keys, values, pattern, per-head outputs) against transformers
 float32 with eager attention, on every family: tiny Qwen3 and Gemma 4 (random weights, GQA, QK-norm,
 sliding windows, shared KV), real SmolLM2 (llama: permuted Q/K rows) and Gemma 3 270M. Compared per
 evaluation (a prefill, then decode steps) and layer: HF's eager attention function's query, key (the
-evaluated rows') and value, and its output projection's input. Relative error of a tensor =
-max |ember − hf| / max |hf|; every one must be ≤ 1e-4.
+evaluated rows'), value and probabilities, and its output projection's input. Relative error of a
+tensor = max |ember − hf| / max |hf|; every one must be ≤ 1e-4. Then what writing each stage means.
 """
 
 from __future__ import annotations
@@ -224,3 +224,89 @@ def test_gemma3_matches_transformers(gemma3_path) -> None:
     prompt = [2] + [int(t) for t in np.random.default_rng(3).integers(300, 20000, 599)]
     check_family(gemma3_path, load_hf(gemma3_path), prompt, REAL_DECODE, context=1024)
 
+
+# -- what writing means (tiny Qwen3: 4 query heads over 2 KV heads) --------------------------------
+
+def test_writes(tiny_qwen3) -> None:
+    path, _ = tiny_qwen3
+    prompt, decode = QWEN3_PROMPT, [48, 49]
+    clean = run_ember(path, prompt, decode)
+    heads, head_dim, layer = 4, 32, 1
+
+    # the pattern written back as shown changes nothing (the outputs are formed from it: rounding only)
+    rewritten = run_ember(path, prompt, decode, change=lambda s, i, a: a.__setitem__(..., a.copy()))
+    for mine, theirs in zip(rewritten, clean, strict=True):
+        for key, value in theirs.items():
+            assert relative_error(mine[key], value) <= 1e-5, key
+
+    # a one-hot pattern: every head of the layer reads only position 0's value (its KV head's)
+    def one_hot(stage, i, array):
+        if stage == "attention_pattern" and i == layer:
+            array[...] = 0.0
+            array[:, 0] = 1.0
+    hot = run_ember(path, prompt, decode, change=one_hot)
+    first_values = clean[0][("attention_values", layer)][0].reshape(2, head_dim)
+    for evaluation in hot:
+        expected = np.repeat(first_values, heads // 2, axis=0).reshape(-1)
+        assert np.allclose(evaluation[("attention_heads", layer)], expected, atol=1e-6)
+
+    # zero queries: every head's pattern is uniform over the keys its row sees
+    def no_queries(stage, i, array):
+        if stage == "attention_queries" and i == layer:
+            array[...] = 0.0
+    uniform = run_ember(path, prompt, decode, change=no_queries)
+    T = len(prompt)
+    pattern = uniform[0][("attention_pattern", layer)].reshape(heads, T, T)
+    assert np.allclose(pattern, np.tril(np.ones((T, T))) / np.arange(1, T + 1)[:, None], atol=1e-6)
+
+    # zeroing one head's output: the attention output loses exactly that head's share, and the head
+    # written in a decode step shows in the keys and values the later steps read
+    def no_head(stage, i, array):
+        if stage == "attention_heads" and i == layer:
+            array[:, head_dim:2 * head_dim] = 0.0
+    ablated = run_ember(path, prompt, decode, change=no_head)
+    assert not ablated[0][("attention_heads", layer)][:, head_dim:2 * head_dim].any()
+    assert relative_error(ablated[0][("after_attention", layer)], clean[0][("after_attention", layer)]) > 1e-3
+    assert np.array_equal(ablated[0][("after_attention", 0)], clean[0][("after_attention", 0)])
+
+    # written keys are what attention reads, and what the cache keeps for the later steps
+    def doubled_keys(stage, i, array):
+        if stage == "attention_keys" and i == layer:
+            array *= 2.0
+    doubled = run_ember(path, prompt, decode, change=doubled_keys)
+    keys = ("attention_keys", layer)
+    assert relative_error(doubled[0][keys], 2 * clean[0][keys]) < 1e-6
+    assert relative_error(doubled[-1][("attention_pattern", layer)],
+                          clean[-1][("attention_pattern", layer)]) > 1e-3
+
+
+# -- a batch (ember.rows.BatchRows) ------------------------------------------------------------------
+
+def test_a_batch_shows_each_sequence_s_pattern(smollm2) -> None:
+    """Two sequences of different lengths, one reusing the other's saved prefix: each one's rows of the
+    batch's stages equal its own evaluation's (its pattern's columns: its own positions)."""
+    from ember.rows import BatchEntry
+
+    stages = ("attention_queries", "attention_pattern", "attention_heads")
+    first, second = REAL_PROMPT, REAL_PROMPT[:9] + [4649, 314]
+    saved = smollm2.evaluate_batch([BatchEntry(np.array(first), save=True)]).saved[0]
+    recorder = BoundaryRecorder(stages=stages)
+    smollm2.evaluate_batch([BatchEntry(np.array(first)), BatchEntry(np.array(second), start=9, prefix=saved)],
+                           observer=recorder)
+    heads = smollm2.config.head_count
+    for index, ids in enumerate((first, second)):
+        alone = BoundaryRecorder(stages=stages)
+        smollm2.evaluate(list(ids), add_bos=False, observer=alone)
+        expected = {(r.stage, r.layer): r.array for r in alone.records}
+        start = 9 if index else 0
+        for record in recorder.records:
+            span = next(s for s in record.batch.spans(record.layer) if s.index == index)
+            reference = expected[(record.stage, record.layer)]
+            if record.stage == "attention_pattern":
+                rows = record.array.reshape(heads, -1, record.array.shape[1])[:, span.rows]
+                assert not rows[:, :, len(ids):].any()  # columns past its own sequence
+                alone_rows = reference.reshape(heads, len(ids), -1)[:, start:]
+                error = relative_error(rows[:, :, :len(ids)], alone_rows)
+            else:
+                error = relative_error(record.array[span.rows], reference[start:])
+            assert error <= 1e-5, (index, record.stage, record.layer, error)

@@ -38,8 +38,8 @@ def test_the_table_is_well_formed() -> None:
     assert len(set(NAMES)) == len(NAMES)
     for stage in STAGES:
         assert stage.name.isidentifier() and stage.argument.isidentifier(), stage
-        assert stage.rows in ("tokens", "1"), stage
-        widths = ("hidden", "vocab", "heads × head_dim", "kv_heads × head_dim")
+        assert stage.rows in ("tokens", "1", "heads × tokens"), stage
+        widths = ("hidden", "vocab", "heads × head_dim", "kv_heads × head_dim", "positions")
         assert stage.width in widths, stage
         assert stage.phases and stage.phases <= set(ExecutionPhase), stage
         assert stage.meaning and not stage.meaning.endswith("."), stage
@@ -228,8 +228,8 @@ def test_the_engine_fires_every_stage_where_the_table_says(smollm2) -> None:
         for record in records:
             stage = BY_NAME[record.stage]
             T = record.token_count
-            rows = {"tokens": T, "1": 1}
-            columns = width[stage.width]
+            rows = {"tokens": T, "1": 1, "heads × tokens": config.head_count * T}
+            columns = width.get(stage.width, record.start_position + record.token_count)  # positions
             assert record.array.shape == (rows[stage.rows], columns), (record.stage, record.array.shape)
             assert record.array.dtype == np.float32
     assert {r.phase for r in recorder.records} == set(ExecutionPhase)

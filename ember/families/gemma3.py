@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -285,10 +286,13 @@ class Gemma3Forward:
         apply_rope(q, cos, sin, c.rope_layout, c.rope_dim, ws.rope_a, ws.rope_b, ws.rope_scratch)
         apply_rope(k, cos, sin, c.rope_layout, c.rope_dim, ws.rope_a[:, :n_kv], ws.rope_b[:, :n_kv],
                    k_scratch)
+        pattern = None
         if listened:
             show_inputs(hooks, i, listened, q, k, v)
+            if "attention_pattern" in listened:
+                pattern = partial(hooks.attention_pattern, i)
         rows.attend(i, q, k, v, scale=c.attention_scale, window=self.layer_window[i], out=ws.attention_heads,
-                    ws=ws)
+                    ws=ws, pattern=pattern)
         hooks.attention_heads(i, ws.attention_heads)
         return linear(ws.attention_heads, layer.attn_output, ws.attention_output)
 

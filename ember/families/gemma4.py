@@ -37,6 +37,7 @@ a float32 copy (1.5 GiB for E2B's 262144 x 1536 table); the PLE table is still r
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -490,6 +491,9 @@ class Gemma4Forward:
         apply_rope(q, cos, sin, RopeLayout.NEOX, rope_dim, *rope_scratch)
         heads = ws.view(ws.heads, T, q_width)
         window = c.sliding_window if sliding else 0
+        pattern = None
+        if listened and "attention_pattern" in listened:
+            pattern = partial(hooks.attention_pattern, i)
         if c.owns_kv(i):
             k = projected[:, q_width:q_width + kv_width].reshape(T, n_kv, hd)
             if layer.has_v:
@@ -502,11 +506,12 @@ class Gemma4Forward:
             apply_rope(k, cos, sin, RopeLayout.NEOX, rope_dim, *(s[:, :n_kv] for s in rope_scratch))
             if listened:
                 show_inputs(hooks, i, listened, q, k, v)
-            rows.attend(i, q, k, v, scale=1.0, window=window, out=heads, ws=ws, keep=True)
+            rows.attend(i, q, k, v, scale=1.0, window=window, out=heads, ws=ws, keep=True, pattern=pattern)
         else:
             if listened:  # the keys and values are the source layer's, shown (and writable) there
                 show_inputs(hooks, i, listened, q, None, None)
-            rows.attend_shared(i, c.kv_source[i], q, scale=1.0, window=window, out=heads, ws=ws)
+            rows.attend_shared(i, c.kv_source[i], q, scale=1.0, window=window, out=heads, ws=ws,
+                               pattern=pattern)
         hooks.attention_heads(i, heads)
         return linear(heads, layer.attn_output, ws.attention_output)
 

@@ -1,6 +1,7 @@
 """How a family shows the inside of its attention to the hooks (the on-demand stages of `ember.stages`):
 the queries, keys and values as attention reads them (after QK-norm and rope), at no cost where no hook
-listens. The per-head outputs (`attention_heads`) are the workspace's own buffer and need nothing here.
+listens. The pattern is formed by `ember.rows` (`attend(..., pattern=...)`); the per-head outputs
+(`attention_heads`) are the workspace's own buffer and need nothing here.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ logits = z Woutᵀ (or z Eᵀ when tied)         → after_logits
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -251,9 +252,12 @@ class LlamaForward:
         apply_rope(q, cos, sin, c.rope_layout, c.rope_dim, ws.rope_a, ws.rope_b, ws.rope_scratch)
         apply_rope(k, cos, sin, c.rope_layout, c.rope_dim, ws.rope_a[:, :n_kv], ws.rope_b[:, :n_kv],
                    k_scratch)
+        pattern = None
         if listened:
             show_inputs(hooks, i, listened, q, k, v, self.checkpoint_order)
-        rows.attend(i, q, k, v, scale=self.scale, window=0, out=ws.attention_heads, ws=ws)
+            if "attention_pattern" in listened:
+                pattern = partial(hooks.attention_pattern, i)
+        rows.attend(i, q, k, v, scale=self.scale, window=0, out=ws.attention_heads, ws=ws, pattern=pattern)
         hooks.attention_heads(i, ws.attention_heads)
         return linear(ws.attention_heads, layer.attn_output, ws.attention_output)
 
