@@ -35,6 +35,7 @@ from ember import ops, parallel
 from ember.ops import attention, sliding_window_attention
 
 Show = Callable[[np.ndarray], None]  # a stage's hook at one layer, shown a formed array
+ShowKeys = Callable[[np.ndarray, np.ndarray], None]  # shown a shared layer's keys and values
 
 
 @dataclass(slots=True)
@@ -137,9 +138,21 @@ class SequenceRows:
         return self._attention(q, keys, values, key_positions, scale, window, out, ws, pattern)
 
     def attend_shared(self, layer: int, source: int, q: np.ndarray, *, scale: float, window: int,
-                      out: np.ndarray, ws: Any, pattern: Show | None = None) -> np.ndarray:
-        """Attention of q over the keys and values layer `source` stored (Gemma 4's shared KV)."""
+                      out: np.ndarray, ws: Any, pattern: Show | None = None,
+                      inputs: ShowKeys | None = None) -> np.ndarray:
+        """Attention of q over the keys and values layer `source` stored (Gemma 4's shared KV).
+        `inputs`: show the evaluated rows' keys and values ([T, kv heads, hd] copies); what it leaves in
+        them is what this layer reads (a copy of the source's: the source and the other layers sharing
+        them are not changed)."""
         keys, values, key_positions = self.kept[source]
+        if inputs is not None:
+            positions = key_positions if key_positions is not None else np.arange(keys.shape[1])
+            own = np.flatnonzero(positions >= self.start_position)
+            own = own[np.argsort(positions[own])]
+            k, v = keys[:, own].transpose(1, 0, 2).copy(), values[:, own].transpose(1, 0, 2).copy()
+            inputs(k, v)
+            keys, values = keys.copy(), values.copy()
+            keys[:, own], values[:, own] = k.transpose(1, 0, 2), v.transpose(1, 0, 2)
         return self._attention(q, keys, values, key_positions, scale, window, out, ws, pattern)
 
     def _attention(self, q: np.ndarray, keys: np.ndarray, values: np.ndarray,
@@ -154,8 +167,8 @@ class SequenceRows:
             rows = np.arange(self.start_position, self.start_position + T)
             probabilities = np.zeros((q.shape[1], T, self.start_position + T), np.float32)
             form_pattern(q, keys, positions, rows, scale, window, probabilities)
-            pattern(probabilities.reshape(-1, probabilities.shape[2]))
-            return apply_pattern(probabilities, values, positions, rows, window, out)
+            if written(pattern, probabilities):
+                return apply_pattern(probabilities, values, positions, rows, window, out)
         if window and T > 1:
             return sliding_window_attention(q, keys, values, key_positions, self.start_position, window,
                                             scale, out)
@@ -293,9 +306,11 @@ class BatchRows:
                             pattern)
 
     def attend_shared(self, layer: int, source: int, q: np.ndarray, *, scale: float, window: int,
-                      out: np.ndarray, ws: Any, pattern: Show | None = None) -> np.ndarray:
+                      out: np.ndarray, ws: Any, pattern: Show | None = None,
+                      inputs: ShowKeys | None = None) -> np.ndarray:
         """Attention over the keys and values layer `source` formed (Gemma 4's shared KV). A sequence that
-        joined after `source` did not form its own there: all its keys are the saved run's."""
+        joined after `source` did not form its own there: all its keys are the saved run's. `inputs`: as
+        `SequenceRows.attend_shared`."""
         k, v = self.kept.get(source, (None, None))
         entries = int(self.live_entries[layer])
         prefix_keys, prefix_values, prefix_length = self._prefix(source, entries)
@@ -305,8 +320,39 @@ class BatchRows:
         if k is None:  # no sequence was live at the source layer: no own keys (and the kernel reads none)
             k = np.zeros((1, prefix_keys.shape[1], prefix_keys.shape[3]), np.float32)
             v = np.zeros((1, prefix_values.shape[1], prefix_values.shape[3]), np.float32)
+        if inputs is not None:
+            k, v = self._show_shared(inputs, q.shape[0], k, v, prefix_keys, prefix_values, own)
         return self._ragged(q, k, v, prefix_keys, prefix_values, prefix_length, own, scale, window, out,
                             pattern)
+
+    def _show_shared(self, inputs: ShowKeys, rows: int, k: np.ndarray, v: np.ndarray, prefix_keys: np.ndarray,
+                     prefix_values: np.ndarray, own: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Show each live row's key and value as a shared layer reads them (its own row of the source
+        layer's, or the saved run's for a sequence that joined later), and take back what was written:
+        into copies of k and v, and into `prefix_keys`/`prefix_values` (built for this call)."""
+        shown_k = np.empty((rows, *k.shape[1:]), np.float32)
+        shown_v = np.empty((rows, *v.shape[1:]), np.float32)
+        spans = []
+        for e in range(len(own)):
+            span = slice(int(self.offsets[e]), int(self.offsets[e + 1]))
+            saved = slice(int(self.starts[e]), int(self.starts[e] + self.counts[e]))
+            spans.append((e, span, saved))
+            if own[e]:
+                shown_k[span], shown_v[span] = k[span], v[span]
+            else:
+                source = int(self.prefix_index[e])
+                shown_k[span] = prefix_keys[source, :, saved].transpose(1, 0, 2)
+                shown_v[span] = prefix_values[source, :, saved].transpose(1, 0, 2)
+        inputs(shown_k, shown_v)
+        k, v = k.copy(), v.copy()
+        for e, span, saved in spans:
+            if own[e]:
+                k[span], v[span] = shown_k[span], shown_v[span]
+            else:
+                source = int(self.prefix_index[e])
+                prefix_keys[source, :, saved] = shown_k[span].transpose(1, 0, 2)
+                prefix_values[source, :, saved] = shown_v[span].transpose(1, 0, 2)
+        return k, v
 
     def _prefix(self, layer: int, entries: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The saved keys and values of layer `layer` of every prefix, stacked ([prefixes, kv, T, hd]),
@@ -339,8 +385,9 @@ class BatchRows:
         entries = len(prefix_length)
         layout = (self.offsets[:entries + 1], self.starts[:entries], self.prefix_index[:entries],
                   prefix_length, own, self.row_entry[:rows], self.row_positions[:rows])
-        if pattern is not None:
-            patterned_ragged(q, k, v, prefix_keys, prefix_values, *layout, scale, window, pattern, out)
+        shown = pattern is not None and patterned_ragged(q, k, v, prefix_keys, prefix_values, *layout, scale,
+                                                         window, pattern, out)
+        if shown:  # the hook wrote the pattern: `out` holds the heads formed from it
             return out
         if ops.token_ops() is not None:
             kernel = ops.token_ops().ragged_attention
@@ -437,10 +484,11 @@ def patterned_ragged(q: np.ndarray, k: np.ndarray, v: np.ndarray, prefix_keys: n
                      prefix_values: np.ndarray, offsets: np.ndarray, starts: np.ndarray,
                      prefix_index: np.ndarray, prefix_length: np.ndarray, own: np.ndarray,
                      row_entry: np.ndarray, row_positions: np.ndarray, scale: float, window: int,
-                     show: Show, out: np.ndarray) -> None:
-    """A batch's attention with its pattern formed and shown ([heads × rows, keys], a row's columns its
-    own sequence's positions 0…, as many as the longest sequence's), each sequence's keys as in
-    `ragged_attention_numpy`; `out` [rows, heads·head dim]."""
+                     show: Show, out: np.ndarray) -> bool:
+    """A batch's attention pattern formed and shown ([heads × rows, keys], a row's columns its own
+    sequence's positions 0…, as many as the longest sequence's), each sequence's keys as in
+    `ragged_attention_numpy`; when the hook wrote it, the heads' outputs formed from it into `out`
+    [rows, heads·head dim] (True), else nothing (False: the kernel forms them)."""
     rows = q.shape[0]
     columns = int(row_positions.max()) + 1
     probabilities = np.zeros((q.shape[1], rows, columns), np.float32)
@@ -461,9 +509,20 @@ def patterned_ragged(q: np.ndarray, k: np.ndarray, v: np.ndarray, prefix_keys: n
         positions = np.arange(keys.shape[1])
         form_pattern(q[span], keys, positions, row_positions[span], scale, window, probabilities[:, span])
         sequences.append((span, values, positions))
-    show(probabilities.reshape(-1, columns))
+    if not written(show, probabilities):
+        return False
     for span, values, positions in sequences:
         apply_pattern(probabilities[:, span], values, positions, row_positions[span], window, out[span])
+    return True
+
+
+def written(show: Show, probabilities: np.ndarray) -> bool:
+    """Show a formed pattern [heads, rows, columns] as [heads × rows, columns]; whether the hook changed
+    it. Unchanged, the heads' outputs are the kernels' own: an observer changes no bit of the run."""
+    shown = probabilities.reshape(-1, probabilities.shape[2])
+    formed = shown.copy()
+    show(shown)
+    return not np.array_equal(shown, formed)
 
 
 def _visible(key_positions: np.ndarray, row_positions: np.ndarray, window: int) -> np.ndarray:

@@ -135,16 +135,12 @@ def relative_error(ours: np.ndarray, reference: np.ndarray) -> float:
     return float(np.max(np.abs(ours - reference)) / max(float(np.max(np.abs(reference))), 1e-30))
 
 
-def compare(ours: list[dict], theirs: list[dict], layers: int, shared: tuple[int, ...] = ()) -> dict:
-    """Worst relative error per stage; every stage of every layer and evaluation must be recorded
-    (keys and values not on a layer reading another's: `shared`)."""
+def compare(ours: list[dict], theirs: list[dict], layers: int) -> dict:
+    """Worst relative error per stage; every stage of every layer and evaluation must be recorded."""
     worst: dict[str, float] = {}
     for evaluation, (mine, reference) in enumerate(zip(ours, theirs, strict=True)):
         for stage in INSIDE:
             for i in range(layers):
-                if stage in ("attention_keys", "attention_values") and i in shared:
-                    assert (stage, i) not in mine
-                    continue
                 value, expected = mine[(stage, i)], reference[(stage, i)]
                 if stage == "attention_pattern":
                     heads, T, S = expected.shape
@@ -158,10 +154,10 @@ def compare(ours: list[dict], theirs: list[dict], layers: int, shared: tuple[int
     return worst
 
 
-def check_family(path, hf_model, prompt, decode, shared=(), context=64):
+def check_family(path, hf_model, prompt, decode, context=64):
     ours = run_ember(path, prompt, decode, context=context)
     theirs = run_hf(hf_model, prompt, decode)
-    worst = compare(ours, theirs, len(hf_model.model.layers), shared)
+    worst = compare(ours, theirs, len(hf_model.model.layers))
     print("\nworst relative error: " + ", ".join(f"{k} {v:.1e}" for k, v in worst.items()))
     return ours
 
@@ -201,10 +197,32 @@ def test_tiny_qwen3_matches_transformers(tiny_qwen3) -> None:
 
 
 def test_tiny_gemma4_matches_transformers(tiny_gemma4) -> None:
+    """Its KV-sharing layers' keys and values are the source layer's, as HF's shared layers read them."""
     path, hf, spec = tiny_gemma4
-    shared = tuple(range(spec.first_shared_layer, spec.num_hidden_layers))
-    assert shared  # the shared layers' queries, pattern and heads are compared
-    check_family(path, hf, TINY_PROMPT, TINY_DECODE, shared)
+    assert spec.first_shared_layer < spec.num_hidden_layers
+    ours = check_family(path, hf, TINY_PROMPT, TINY_DECODE)
+    for evaluation in ours:
+        for i, source in zip(range(spec.first_shared_layer, spec.num_hidden_layers), (2, 2, 3), strict=True):
+            for stage in ("attention_keys", "attention_values"):
+                assert np.array_equal(evaluation[(stage, i)], evaluation[(stage, source)])
+
+
+def test_a_shared_layer_s_written_keys_reach_that_layer_only(tiny_gemma4) -> None:
+    path, _, spec = tiny_gemma4
+    first = spec.first_shared_layer  # layers first, first+1 read layer 2's keys (sliding)
+
+    def doubled(stage, i, array):
+        if stage == "attention_keys" and i == first:
+            array *= 2.0
+    clean = run_ember(path, TINY_PROMPT, TINY_DECODE)
+    changed = run_ember(path, TINY_PROMPT, TINY_DECODE, change=doubled)
+    for before, after in zip(clean, changed, strict=True):
+        assert np.array_equal(after[("attention_keys", 2)], before[("attention_keys", 2)])  # the source's
+        assert np.array_equal(after[("attention_heads", 2)], before[("attention_heads", 2)])
+        pattern = ("attention_pattern", first)
+        assert relative_error(after[pattern], before[pattern]) > 1e-3
+        # the next layer sharing them reads the source's keys, not the written ones
+        assert np.array_equal(after[("attention_keys", first + 1)], after[("attention_keys", 2)])
 
 
 REAL_PROMPT = [1, 504, 3458, 282, 4649, 314, 2114, 28, 30, 1032, 1073, 9213, 30, 2]
@@ -233,11 +251,20 @@ def test_writes(tiny_qwen3) -> None:
     clean = run_ember(path, prompt, decode)
     heads, head_dim, layer = 4, 32, 1
 
-    # the pattern written back as shown changes nothing (the outputs are formed from it: rounding only)
+    # every stage written back as shown changes no bit (an unchanged pattern: the kernels' own output)
     rewritten = run_ember(path, prompt, decode, change=lambda s, i, a: a.__setitem__(..., a.copy()))
     for mine, theirs in zip(rewritten, clean, strict=True):
         for key, value in theirs.items():
-            assert relative_error(mine[key], value) <= 1e-5, key
+            assert np.array_equal(mine[key], value), key
+
+    # a pattern written with its own values rounded differently: the outputs are formed from it
+    def nudged(stage, i, array):
+        if stage == "attention_pattern" and i == layer:
+            array *= np.float32(1 + 1e-6)
+    formed = run_ember(path, prompt, decode, change=nudged)
+    for mine, theirs in zip(formed, clean, strict=True):
+        heads_output = ("attention_heads", layer)
+        assert 0 < relative_error(mine[heads_output], theirs[heads_output]) <= 1e-5
 
     # a one-hot pattern: every head of the layer reads only position 0's value (its KV head's)
     def one_hot(stage, i, array):
@@ -282,31 +309,44 @@ def test_writes(tiny_qwen3) -> None:
 
 # -- a batch (ember.rows.BatchRows) ------------------------------------------------------------------
 
-def test_a_batch_shows_each_sequence_s_pattern(smollm2) -> None:
-    """Two sequences of different lengths, one reusing the other's saved prefix: each one's rows of the
-    batch's stages equal its own evaluation's (its pattern's columns: its own positions)."""
+@pytest.mark.parametrize("which", ["smollm2", "gemma4"])
+def test_a_batch_shows_each_sequence_s_stages(which, request) -> None:
+    """Three sequences of different lengths, one reusing the first's saved positions, one joining at a
+    late layer (Gemma 4: a KV-sharing layer, its keys all the saved run's): each one's rows of the
+    batch's stages (`Record.sequence_rows`; a pattern's columns: its own positions) equal its own
+    evaluation's."""
+    import ember
     from ember.rows import BatchEntry
 
-    stages = ("attention_queries", "attention_pattern", "attention_heads")
-    first, second = REAL_PROMPT, REAL_PROMPT[:9] + [4649, 314]
-    saved = smollm2.evaluate_batch([BatchEntry(np.array(first), save=True)]).saved[0]
-    recorder = BoundaryRecorder(stages=stages)
-    smollm2.evaluate_batch([BatchEntry(np.array(first)), BatchEntry(np.array(second), start=9, prefix=saved)],
-                           observer=recorder)
-    heads = smollm2.config.head_count
-    for index, ids in enumerate((first, second)):
-        alone = BoundaryRecorder(stages=stages)
-        smollm2.evaluate(list(ids), add_bos=False, observer=alone)
+    if which == "smollm2":
+        model, first, reuse, extra, late = request.getfixturevalue("smollm2"), REAL_PROMPT, 9, [4649, 314], 20
+    else:
+        path, _, spec = request.getfixturevalue("tiny_gemma4")
+        model = ember.load_model(path, context_length=64)
+        first, reuse, extra, late = TINY_PROMPT, 6, [300, 301], spec.first_shared_layer + 1
+    saved = model.evaluate_batch([BatchEntry(np.array(first), save=True)]).saved[0]
+    second = first[:reuse] + extra
+    recorder = BoundaryRecorder(stages=INSIDE)
+    entries = [BatchEntry(np.array(first)), BatchEntry(np.array(second), start=reuse, prefix=saved),
+               BatchEntry(np.array(first), first_layer=late, prefix=saved)]
+    model.evaluate_batch(entries, observer=recorder)
+    heads = model.config.head_count
+    for index, (ids, start, first_layer) in enumerate([(first, 0, 0), (second, reuse, 0), (first, 0, late)]):
+        alone = BoundaryRecorder(stages=INSIDE)
+        model.evaluate(list(ids), add_bos=False, observer=alone)
         expected = {(r.stage, r.layer): r.array for r in alone.records}
-        start = 9 if index else 0
+        compared = 0
         for record in recorder.records:
-            span = next(s for s in record.batch.spans(record.layer) if s.index == index)
+            rows = record.sequence_rows(index)
+            if record.layer < first_layer:
+                assert rows is None
+                continue
             reference = expected[(record.stage, record.layer)]
-            if record.stage == "attention_pattern":
-                rows = record.array.reshape(heads, -1, record.array.shape[1])[:, span.rows]
-                assert not rows[:, :, len(ids):].any()  # columns past its own sequence
-                alone_rows = reference.reshape(heads, len(ids), -1)[:, start:]
-                error = relative_error(rows[:, :, :len(ids)], alone_rows)
+            if record.stage == "attention_pattern":  # rows of every head from the sequence's start
+                reference = reference.reshape(heads, len(ids), -1)[:, start:].reshape(-1, len(ids))
             else:
-                error = relative_error(record.array[span.rows], reference[start:])
+                reference = reference[start:]
+            error = relative_error(rows, reference)
             assert error <= 1e-5, (index, record.stage, record.layer, error)
+            compared += 1
+        assert compared == len(INSIDE) * (model.config.layer_count - first_layer)

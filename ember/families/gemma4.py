@@ -507,11 +507,14 @@ class Gemma4Forward:
             if listened:
                 show_inputs(hooks, i, listened, q, k, v)
             rows.attend(i, q, k, v, scale=1.0, window=window, out=heads, ws=ws, keep=True, pattern=pattern)
-        else:
-            if listened:  # the keys and values are the source layer's, shown (and writable) there
+        else:  # the source layer's keys and values, as this layer reads them (writes reach this layer only)
+            inputs = None
+            if listened:
                 show_inputs(hooks, i, listened, q, None, None)
+                if "attention_keys" in listened or "attention_values" in listened:
+                    inputs = partial(show_inputs, hooks, i, listened, None)
             rows.attend_shared(i, c.kv_source[i], q, scale=1.0, window=window, out=heads, ws=ws,
-                               pattern=pattern)
+                               pattern=pattern, inputs=inputs)
         hooks.attention_heads(i, heads)
         return linear(heads, layer.attn_output, ws.attention_output)
 

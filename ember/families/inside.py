@@ -29,13 +29,13 @@ def show(hook: Callable[[int, np.ndarray], None], layer: int, array: np.ndarray,
         array[:, :, order] = shown.reshape(T, n, d)
 
 
-def show_inputs(hooks: Any, layer: int, listened: frozenset[str], q: np.ndarray, k: np.ndarray | None,
+def show_inputs(hooks: Any, layer: int, listened: frozenset[str], q: np.ndarray | None, k: np.ndarray | None,
                 v: np.ndarray | None, order: np.ndarray | None = None) -> None:
     """The queries, keys and values of layer `layer` ([T, heads, head_dim] views) at the stages the hooks
-    listen at; `order` puts each head's query and key dims in the checkpoint's order (llama's GGUF rows
-    are permuted for its rope layout: `checkpoint_order`). k and v are None on a layer that reads another
-    layer's (Gemma 4's shared KV): their stages fire at the layer that formed them."""
-    if "attention_queries" in listened:
+    listen at (None: not shown here); `order` puts each head's query and key dims in the checkpoint's
+    order (llama's GGUF rows are permuted for its rope layout: `checkpoint_order`). A layer that reads
+    another's keys and values (Gemma 4's shared KV) shows them when `ember.rows` hands them over."""
+    if q is not None and "attention_queries" in listened:
         show(hooks.attention_queries, layer, q, order)
     if k is not None and "attention_keys" in listened:
         show(hooks.attention_keys, layer, k, order)
