@@ -25,7 +25,7 @@ Everything here is bookkeeping and attention; the math of a layer stays in the f
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +33,9 @@ import numpy as np
 
 from ember import ops, parallel
 from ember.ops import attention, sliding_window_attention
+
+Show = Callable[[np.ndarray], None]  # a stage's hook at one layer, shown a formed array
+ShowKeys = Callable[[np.ndarray, np.ndarray], None]  # shown a shared layer's keys and values
 
 
 @dataclass(slots=True)
@@ -123,26 +126,49 @@ class SequenceRows:
         return np.arange(self.start_position, self.start_position + rows, dtype=np.float64)
 
     def attend(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, *, scale: float, window: int,
-               out: np.ndarray, ws: Any, keep: bool = False) -> np.ndarray:
+               out: np.ndarray, ws: Any, keep: bool = False, pattern: Show | None = None) -> np.ndarray:
         """Store k, v at the evaluated positions of layer `layer`'s cache, then attention of q over every
-        visible key (a sliding layer's window masked). `keep`: remember them for `attend_shared`."""
+        visible key (a sliding layer's window masked). `keep`: remember them for `attend_shared`.
+        `pattern`: form the attention pattern explicitly and show it (`patterned_attention`)."""
         stored = self.cache.store(layer, self.start_position, k, v)
         keys, values = stored[0], stored[1]
         key_positions = stored[2] if len(stored) == 3 else None
         if keep:
             self.kept[layer] = (keys, values, key_positions)
-        return self._attention(q, keys, values, key_positions, scale, window, out, ws)
+        return self._attention(q, keys, values, key_positions, scale, window, out, ws, pattern)
 
     def attend_shared(self, layer: int, source: int, q: np.ndarray, *, scale: float, window: int,
-                      out: np.ndarray, ws: Any) -> np.ndarray:
-        """Attention of q over the keys and values layer `source` stored (Gemma 4's shared KV)."""
+                      out: np.ndarray, ws: Any, pattern: Show | None = None,
+                      inputs: ShowKeys | None = None) -> np.ndarray:
+        """Attention of q over the keys and values layer `source` stored (Gemma 4's shared KV).
+        `inputs`: show the evaluated rows' keys and values ([T, kv heads, hd] copies); what it leaves in
+        them is what this layer reads (a copy of the source's: the source and the other layers sharing
+        them are not changed)."""
         keys, values, key_positions = self.kept[source]
-        return self._attention(q, keys, values, key_positions, scale, window, out, ws)
+        if inputs is not None:
+            positions = key_positions if key_positions is not None else np.arange(keys.shape[1])
+            own = np.flatnonzero(positions >= self.start_position)
+            own = own[np.argsort(positions[own])]
+            k, v = keys[:, own].transpose(1, 0, 2).copy(), values[:, own].transpose(1, 0, 2).copy()
+            inputs(k, v)
+            keys, values = keys.copy(), values.copy()
+            keys[:, own], values[:, own] = k.transpose(1, 0, 2), v.transpose(1, 0, 2)
+        return self._attention(q, keys, values, key_positions, scale, window, out, ws, pattern)
 
     def _attention(self, q: np.ndarray, keys: np.ndarray, values: np.ndarray,
                    key_positions: np.ndarray | None, scale: float, window: int, out: np.ndarray,
-                   ws: Any) -> np.ndarray:
+                   ws: Any, pattern: Show | None = None) -> np.ndarray:
         T = q.shape[0]
+        if pattern is not None:
+            positions = key_positions if key_positions is not None else np.arange(keys.shape[1])
+            filled = positions >= 0  # a ring's empty slots hold −1
+            if not filled.all():
+                keys, values, positions = keys[:, filled], values[:, filled], positions[filled]
+            rows = np.arange(self.start_position, self.start_position + T)
+            probabilities = np.zeros((q.shape[1], T, self.start_position + T), np.float32)
+            form_pattern(q, keys, positions, rows, scale, window, probabilities)
+            if written(pattern, probabilities):
+                return apply_pattern(probabilities, values, positions, rows, window, out)
         if window and T > 1:
             return sliding_window_attention(q, keys, values, key_positions, self.start_position, window,
                                             scale, out)
@@ -262,9 +288,10 @@ class BatchRows:
     # -- attention -------------------------------------------------------------------------------
 
     def attend(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, *, scale: float, window: int,
-               out: np.ndarray, ws: Any, keep: bool = False) -> np.ndarray:
+               out: np.ndarray, ws: Any, keep: bool = False, pattern: Show | None = None) -> np.ndarray:
         """Each row's attention over its own sequence: the saved keys before its sequence's start, then
-        its sequence's own rows up to itself (a sliding layer's window masked)."""
+        its sequence's own rows up to itself (a sliding layer's window masked). `pattern`: as
+        `SequenceRows.attend`, a row's columns its own sequence's positions."""
         k, v = np.ascontiguousarray(k), np.ascontiguousarray(v)
         if keep:  # copies: k and v may be views of the workspace (one row, or Gemma 4's V from K), which
             # later layers overwrite before the layers sharing them read them
@@ -275,12 +302,15 @@ class BatchRows:
         entries = int(self.live_entries[layer])
         prefix_keys, prefix_values, prefix_length = self._prefix(layer, entries)
         own = np.ones(entries, np.int64)
-        return self._ragged(q, k, v, prefix_keys, prefix_values, prefix_length, own, scale, window, out)
+        return self._ragged(q, k, v, prefix_keys, prefix_values, prefix_length, own, scale, window, out,
+                            pattern)
 
     def attend_shared(self, layer: int, source: int, q: np.ndarray, *, scale: float, window: int,
-                      out: np.ndarray, ws: Any) -> np.ndarray:
+                      out: np.ndarray, ws: Any, pattern: Show | None = None,
+                      inputs: ShowKeys | None = None) -> np.ndarray:
         """Attention over the keys and values layer `source` formed (Gemma 4's shared KV). A sequence that
-        joined after `source` did not form its own there: all its keys are the saved run's."""
+        joined after `source` did not form its own there: all its keys are the saved run's. `inputs`: as
+        `SequenceRows.attend_shared`."""
         k, v = self.kept.get(source, (None, None))
         entries = int(self.live_entries[layer])
         prefix_keys, prefix_values, prefix_length = self._prefix(source, entries)
@@ -290,7 +320,39 @@ class BatchRows:
         if k is None:  # no sequence was live at the source layer: no own keys (and the kernel reads none)
             k = np.zeros((1, prefix_keys.shape[1], prefix_keys.shape[3]), np.float32)
             v = np.zeros((1, prefix_values.shape[1], prefix_values.shape[3]), np.float32)
-        return self._ragged(q, k, v, prefix_keys, prefix_values, prefix_length, own, scale, window, out)
+        if inputs is not None:
+            k, v = self._show_shared(inputs, q.shape[0], k, v, prefix_keys, prefix_values, own)
+        return self._ragged(q, k, v, prefix_keys, prefix_values, prefix_length, own, scale, window, out,
+                            pattern)
+
+    def _show_shared(self, inputs: ShowKeys, rows: int, k: np.ndarray, v: np.ndarray, prefix_keys: np.ndarray,
+                     prefix_values: np.ndarray, own: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Show each live row's key and value as a shared layer reads them (its own row of the source
+        layer's, or the saved run's for a sequence that joined later), and take back what was written:
+        into copies of k and v, and into `prefix_keys`/`prefix_values` (built for this call)."""
+        shown_k = np.empty((rows, *k.shape[1:]), np.float32)
+        shown_v = np.empty((rows, *v.shape[1:]), np.float32)
+        spans = []
+        for e in range(len(own)):
+            span = slice(int(self.offsets[e]), int(self.offsets[e + 1]))
+            saved = slice(int(self.starts[e]), int(self.starts[e] + self.counts[e]))
+            spans.append((e, span, saved))
+            if own[e]:
+                shown_k[span], shown_v[span] = k[span], v[span]
+            else:
+                source = int(self.prefix_index[e])
+                shown_k[span] = prefix_keys[source, :, saved].transpose(1, 0, 2)
+                shown_v[span] = prefix_values[source, :, saved].transpose(1, 0, 2)
+        inputs(shown_k, shown_v)
+        k, v = k.copy(), v.copy()
+        for e, span, saved in spans:
+            if own[e]:
+                k[span], v[span] = shown_k[span], shown_v[span]
+            else:
+                source = int(self.prefix_index[e])
+                prefix_keys[source, :, saved] = shown_k[span].transpose(1, 0, 2)
+                prefix_values[source, :, saved] = shown_v[span].transpose(1, 0, 2)
+        return k, v
 
     def _prefix(self, layer: int, entries: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The saved keys and values of layer `layer` of every prefix, stacked ([prefixes, kv, T, hd]),
@@ -314,7 +376,7 @@ class BatchRows:
 
     def _ragged(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, prefix_keys: np.ndarray,
                 prefix_values: np.ndarray, prefix_length: np.ndarray, own: np.ndarray, scale: float,
-                window: int, out: np.ndarray) -> np.ndarray:
+                window: int, out: np.ndarray, pattern: Show | None = None) -> np.ndarray:
         rows = q.shape[0]
         if rows == 0:  # no sequence is evaluated at this layer yet (all join later)
             return out
@@ -323,6 +385,10 @@ class BatchRows:
         entries = len(prefix_length)
         layout = (self.offsets[:entries + 1], self.starts[:entries], self.prefix_index[:entries],
                   prefix_length, own, self.row_entry[:rows], self.row_positions[:rows])
+        shown = pattern is not None and patterned_ragged(q, k, v, prefix_keys, prefix_values, *layout, scale,
+                                                         window, pattern, out)
+        if shown:  # the hook wrote the pattern: `out` holds the heads formed from it
+            return out
         if ops.token_ops() is not None:
             kernel = ops.token_ops().ragged_attention
             parallel.share_ranges(rows, rows * q.shape[1] * 64, lambda start, stop: kernel(
@@ -412,6 +478,91 @@ def ragged_attention_numpy(q: np.ndarray, k: np.ndarray, v: np.ndarray, prefix_k
         attention(q[span], keys, values, start_position=int(starts[e]), scale=float(scale), out=heads,
                   key_positions=key_positions, sliding_window=window)
         out[span] = heads.reshape(rows, q.shape[1], -1)
+
+
+def patterned_ragged(q: np.ndarray, k: np.ndarray, v: np.ndarray, prefix_keys: np.ndarray,
+                     prefix_values: np.ndarray, offsets: np.ndarray, starts: np.ndarray,
+                     prefix_index: np.ndarray, prefix_length: np.ndarray, own: np.ndarray,
+                     row_entry: np.ndarray, row_positions: np.ndarray, scale: float, window: int,
+                     show: Show, out: np.ndarray) -> bool:
+    """A batch's attention pattern formed and shown ([heads × rows, keys], a row's columns its own
+    sequence's positions 0…, as many as the longest sequence's), each sequence's keys as in
+    `ragged_attention_numpy`; when the hook wrote it, the heads' outputs formed from it into `out`
+    [rows, heads·head dim] (True), else nothing (False: the kernel forms them)."""
+    rows = q.shape[0]
+    columns = int(row_positions.max()) + 1
+    probabilities = np.zeros((q.shape[1], rows, columns), np.float32)
+    sequences = []
+    for e in range(len(starts)):
+        span = slice(int(offsets[e]), int(offsets[e + 1]))
+        if span.start == span.stop:
+            continue
+        parts_k, parts_v = [], []
+        if prefix_length[e]:
+            source = int(prefix_index[e])
+            parts_k.append(prefix_keys[source, :, :prefix_length[e]])
+            parts_v.append(prefix_values[source, :, :prefix_length[e]])
+        if own[e]:
+            parts_k.append(k[span].transpose(1, 0, 2))
+            parts_v.append(v[span].transpose(1, 0, 2))
+        keys, values = np.concatenate(parts_k, axis=1), np.concatenate(parts_v, axis=1)
+        positions = np.arange(keys.shape[1])
+        form_pattern(q[span], keys, positions, row_positions[span], scale, window, probabilities[:, span])
+        sequences.append((span, values, positions))
+    if not written(show, probabilities):
+        return False
+    for span, values, positions in sequences:
+        apply_pattern(probabilities[:, span], values, positions, row_positions[span], window, out[span])
+    return True
+
+
+def written(show: Show, probabilities: np.ndarray) -> bool:
+    """Show a formed pattern [heads, rows, columns] as [heads × rows, columns]; whether the hook changed
+    it. Unchanged, the heads' outputs are the kernels' own: an observer changes no bit of the run."""
+    shown = probabilities.reshape(-1, probabilities.shape[2])
+    formed = shown.copy()
+    show(shown)
+    return not np.array_equal(shown, formed)
+
+
+def _visible(key_positions: np.ndarray, row_positions: np.ndarray, window: int) -> np.ndarray:
+    """[rows, keys]: which keys each row sees (causal; within the window on a sliding layer)."""
+    distance = row_positions[:, None] - key_positions[None, :]
+    visible = (distance >= 0) & (key_positions[None, :] >= 0)
+    if window:
+        visible &= distance < window
+    return visible
+
+
+def form_pattern(q: np.ndarray, keys: np.ndarray, key_positions: np.ndarray, row_positions: np.ndarray,
+                 scale: float, window: int, into: np.ndarray) -> None:
+    """The attention probabilities of q [T, heads, hd] over keys [kv heads, S, hd] at `key_positions`,
+    written into `into` [heads, T, columns] at each key's position (the columns of keys a row does not
+    see stay as they are: zero). Query head h reads KV head h // (heads / kv heads), as the kernels."""
+    T, n_head, head_dim = q.shape
+    kv = keys.shape[0]
+    group = n_head // kv
+    query = q.reshape(T, kv, group, head_dim).transpose(1, 2, 0, 3)  # [kv, group, T, hd]
+    scores = np.matmul(query, keys.transpose(0, 2, 1)[:, None])  # [kv, group, T, S]
+    scores *= np.float32(scale)
+    scores[:, :, ~_visible(key_positions, row_positions, window)] = -np.inf
+    scores -= scores.max(axis=-1, keepdims=True)
+    np.exp(scores, out=scores)
+    scores /= scores.sum(axis=-1, keepdims=True)
+    into[:, :, key_positions] = scores.reshape(n_head, T, -1)
+
+
+def apply_pattern(probabilities: np.ndarray, values: np.ndarray, key_positions: np.ndarray,
+                  row_positions: np.ndarray, window: int, out: np.ndarray) -> np.ndarray:
+    """Each head's output as its pattern's weights over the values: out [T, heads·hd] from probabilities
+    [heads, T, columns] (as shown, and perhaps written: weights on keys a row does not see are ignored)
+    and values [kv heads, S, hd] at `key_positions`."""
+    n_head, T, _ = probabilities.shape
+    kv, _, value_dim = values.shape
+    weights = probabilities[:, :, key_positions] * _visible(key_positions, row_positions, window)
+    heads = np.matmul(weights.reshape(kv, n_head // kv, T, -1), values[:, None])  # [kv, group, T, hd]
+    out.reshape(T, n_head, value_dim)[...] = heads.reshape(n_head, T, value_dim).transpose(1, 0, 2)
+    return out
 
 
 Rows = SequenceRows | BatchRows

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any
 
 from ember.phases import ExecutionPhase
 
@@ -34,7 +35,8 @@ class Stage:
     """One boundary: its name (the hook's), scope, the array's argument name, its rows and columns
     (`tokens`: one row per evaluated token, `1`: the last token's; `hidden` or `vocab` wide), the phases
     it fires in (tests/test_stages.py holds the engine to them), and what it is. Every stage is writable
-    through `TensorAccess.values_mut()`."""
+    through `TensorAccess.values_mut()`. `on_demand`: showing it costs the engine something (a copy, a
+    computation), so the engine forms it only when the hooks listen there (`listened`)."""
 
     name: str
     scope: Scope
@@ -43,6 +45,7 @@ class Stage:
     width: str
     meaning: str
     phases: frozenset[ExecutionPhase] = BOTH_PHASES
+    on_demand: bool = False
 
     @property
     def shape(self) -> str:
@@ -53,6 +56,21 @@ class Stage:
 STAGES: tuple[Stage, ...] = (
     Stage("before_layer", Scope.LAYER, "hidden", "tokens", "hidden",
           "The residual stream entering layer `ctx.layer_index`"),
+    Stage("attention_queries", Scope.LAYER, "queries", "tokens", "heads × head_dim",
+          "The queries as attention reads them (after QK-norm and rope), head h in columns h·head_dim…",
+          on_demand=True),
+    Stage("attention_keys", Scope.LAYER, "keys", "tokens", "kv_heads × head_dim",
+          "The evaluated rows' keys as attention reads them (after QK-norm and rope), KV head j in "
+          "columns j·head_dim…; query head h reads KV head h // (heads / kv_heads)", on_demand=True),
+    Stage("attention_values", Scope.LAYER, "values", "tokens", "kv_heads × head_dim",
+          "The evaluated rows' values as attention reads them, KV head j in columns j·head_dim…",
+          on_demand=True),
+    Stage("attention_pattern", Scope.LAYER, "pattern", "heads × tokens", "positions",
+          "The attention probabilities, row h·T + t: head h's query at the t-th evaluated row, column p: "
+          "the key at position p of its sequence; writing it sets the weights each head's output is "
+          "formed with", on_demand=True),
+    Stage("attention_heads", Scope.LAYER, "heads", "tokens", "heads × head_dim",
+          "Each head's attention output before the output projection, head h in columns h·head_dim…"),
     Stage("after_attention", Scope.LAYER, "attention_output", "tokens", "hidden",
           "The attention block's contribution to the residual, before it is added"),
     Stage("after_mlp", Scope.LAYER, "mlp_output", "tokens", "hidden",
@@ -74,6 +92,16 @@ MODEL_NAMES: tuple[str, ...] = tuple(stage.name for stage in MODEL_STAGES)
 # The model stages called after the last layer's: the LM head's (tracing times them as one span).
 HEAD_STAGES: tuple[Stage, ...] = tuple(
     stage for stage in MODEL_STAGES if STAGES.index(stage) > STAGES.index(LAYER_STAGES[-1]))
+
+
+ON_DEMAND: frozenset[str] = frozenset(stage.name for stage in STAGES if stage.on_demand)
+
+
+def listened(hooks: Any) -> frozenset[str]:
+    """Of the on-demand stages, those at which `hooks` has listeners: what a hooks adapter says in its
+    `listening` attribute (a set of stage names), every one for an adapter that does not say. A family
+    reads it once per evaluation; an empty set costs it nothing."""
+    return ON_DEMAND & getattr(hooks, "listening", ON_DEMAND)
 
 
 def define_stage_methods(cls: type, make: Callable[[Stage], Callable[..., None]]) -> type:

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from ember.phases import ExecutionPhase
-from ember.stages import HEAD_STAGES, LAYER_STAGES, STAGES, Scope, Stage, define_stage_methods
+from ember.stages import HEAD_STAGES, LAYER_STAGES, STAGES, Scope, Stage, define_stage_methods, listened
 
 SPAN_NAMES = ("load", "resolve", "gguf", "tokenizer", "weights", "generate", "tokenize", "prefill", "decode")
 
@@ -116,6 +116,10 @@ class TracingHooks:
         self._layer_started = 0.0
         self._head_started = 0.0
         self._inner_stages = tuple(getattr(inner, s.name) for s in STAGES)  # bound once, indexed like STAGES
+
+    @property
+    def listening(self) -> frozenset[str]:
+        return listened(self.inner)
 
     def begin_evaluation(self, phase: ExecutionPhase, start_position: int, token_count: int) -> None:
         self._phase = ExecutionPhase(phase)

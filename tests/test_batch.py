@@ -30,6 +30,10 @@ from ember.experiments.adapters import ActiveHooks
 from ember.experiments.context import TracingState
 from ember.inspection.recorder import BoundaryRecorder, Record
 from ember.rows import BatchEntry, SavedState, ragged_attention_numpy
+from ember.stages import STAGES
+
+# the residual-wide stages (the stages inside attention are compared per sequence in test_attention_stages)
+BOUNDARIES = tuple(stage.name for stage in STAGES if stage.width in ("hidden", "vocab"))
 
 TOLERANCE = 1e-5  # issue 25: batched and reused evaluations equal one-at-a-time within 1e-5 relative
 # ... except at the boundaries of the real (quantized) models, where one-at-a-time differs from itself by
@@ -132,13 +136,13 @@ def sequences(model: Any, seed: int = 0) -> list[np.ndarray]:
 
 def single(model: Any, ids: np.ndarray) -> tuple[np.ndarray, dict[tuple[str, int | None], np.ndarray]]:
     """The one-at-a-time evaluation: last logits and every boundary's array."""
-    recorder = BoundaryRecorder()
+    recorder = BoundaryRecorder(stages=BOUNDARIES)
     logits = model.evaluate([int(t) for t in ids], observer=recorder)
     return logits, {(r.stage, r.layer): r.array for r in recorder.records}
 
 
 def batch(model: Any, entries: Sequence[BatchEntry]) -> tuple[Any, list[Record]]:
-    recorder = BoundaryRecorder()
+    recorder = BoundaryRecorder(stages=BOUNDARIES)
     result = model.evaluate_batch(entries, observer=recorder)
     assert recorder.evaluations == 0  # one batch, one evaluation
     return result, recorder.records

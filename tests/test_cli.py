@@ -13,6 +13,7 @@ from run_support import prepared_store
 import ember.model
 import ember.sources
 from ember import cli
+from ember.stages import LAYER_NAMES
 
 DATA = Path(__file__).parent / "data"
 
@@ -190,7 +191,7 @@ def test_generate_dumps_layers_and_logits(fixture_model, tmp_path: Path) -> None
     index = json.loads((folder / "index.json").read_text())
     assert index["evaluations"] == 2
     with np.load(folder / "layers.npz") as layers:
-        assert len(layers.files) == 2 * (4 * fixture_model.config.layer_count + 1)
+        assert len(layers.files) == 2 * (len(LAYER_NAMES) * fixture_model.config.layer_count + 1)
     client, runs = _runs(tmp_path)
     assert {f.path for f in client.list_artifacts(runs[0].info.run_id, "dump")} == {
         "dump/index.json", "dump/layers.npz", "dump/logits.npz"}

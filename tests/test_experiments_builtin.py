@@ -19,6 +19,7 @@ from ember.experiments import (
     TracingState,
     ZeroLayerOutput,
 )
+from ember.stages import LAYER_NAMES
 
 LAYERS, HIDDEN, VOCAB = 3, 8, 11
 MODEL = ModelContext(ModelFamily.QWEN3, "toy", "qwen3", LAYERS, HIDDEN)
@@ -86,10 +87,10 @@ def test_activation_stats_matches_numpy() -> None:
     assert len(result.metrics) == len(rows) * 7
     decode_rms = [m for m in result.metrics if m.name == "decode/after_mlp/rms"]
     assert [m.step for m in decode_rms] == [0, 1, 2]
-    # arrays: [4 layer hooks, layers] per phase and statistic
-    assert result.arrays["prefill/rms"].shape == (4, LAYERS)
+    # arrays: [layer stages, layers] per phase and statistic (NaN where a stage was not shown)
+    assert result.arrays["prefill/rms"].shape == (len(LAYER_NAMES), LAYERS)
     row = next(r for r in rows if (r["phase"], r["hook"], r["layer"]) == ("decode", "after_attention", 2))
-    assert result.arrays["decode/max"][1, 2] == row["max"]
+    assert result.arrays["decode/max"][LAYER_NAMES.index("after_attention"), 2] == row["max"]
 
 
 def test_activation_stats_never_writes_and_counts_nonfinite() -> None:
@@ -137,7 +138,7 @@ def test_activation_stats_figure_is_lazy() -> None:
     figure = result.figures["rms_by_layer"]
     assert "matplotlib" in sys.modules
     assert len(figure.axes) == 1
-    assert len(figure.axes[0].lines) == 4
+    assert len(figure.axes[0].lines) == len(LAYER_NAMES)  # one per layer stage
     assert result.figures["rms_by_layer"] is figure
 
 

@@ -50,8 +50,13 @@ class Recorder:
         assert value.dtype == np.float32 and value.ndim == 2 and value.flags.c_contiguous
         self.evaluations[-1][boundary].append(value.copy())
 
+    listening = frozenset()  # none of the on-demand stages inside attention (ember.stages.listened)
+
     def before_layer(self, i, hidden) -> None:
         self._keep("before_layer", hidden)
+
+    def attention_heads(self, i, heads) -> None:
+        pass
 
     def after_attention(self, i, value) -> None:
         self._keep("after_attention", value)

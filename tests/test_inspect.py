@@ -23,6 +23,7 @@ from ember.inspection import (
 from ember.inspection.extraction import StatePooler
 from ember.inspection.probes import log_probe_report, stratified_folds
 from ember.rows import BatchEntry
+from ember.stages import BY_NAME, LAYER_NAMES
 
 DATA = Path(__file__).parent / "data"
 PROMPT = "The capital of France is"
@@ -68,15 +69,20 @@ def test_layer_and_logits_dump_equal_an_observation_experiment_exactly(smollm2, 
     layer_count = smollm2.config.layer_count
     evaluations = 1 + reference.timings.decode_evaluations
     assert index["evaluations"] == evaluations
-    # every layer's four boundaries plus before_logits, and after_logits, for every evaluation
-    assert len(index["arrays"]) == evaluations * (4 * layer_count + 2) == len(observer.seen)
+    # every layer stage plus before_logits, and after_logits, for every evaluation; the observer copies
+    # the residual-wide ones (the stages inside attention: tests/test_attention_stages.py)
+    assert len(index["arrays"]) == evaluations * (len(LAYER_NAMES) * layer_count + 2)
+    assert len(observer.seen) == evaluations * (4 * layer_count + 2)
     prompt_length = len(reference.prompt_token_ids)
     for entry in index["arrays"]:
         start, end = entry["positions"]
         evaluation_start = 0 if entry["phase"] == "prefill" else prompt_length + entry["evaluation"] - 1
         assert end == (prompt_length if entry["phase"] == "prefill" else evaluation_start + 1)
         rows = 1 if entry["layer"] is None else end - evaluation_start  # logits: the last position only
-        assert start == end - rows and entry["shape"][0] == rows
+        assert start == end - rows
+        if BY_NAME[entry["stage"]].width not in ("hidden", "vocab"):
+            continue  # the stages inside attention: tests/test_attention_stages.py
+        assert entry["shape"][0] == rows
         seen = observer.seen[(entry["phase"], evaluation_start, entry["stage"], entry["layer"])]
         dumped = arrays[entry["key"]]
         assert list(dumped.shape) == entry["shape"] == list(seen.shape)

@@ -24,6 +24,7 @@ from run_support import store_client as client
 
 from ember import run as runner
 from ember.runs import models
+from ember.stages import LAYER_NAMES
 
 REPO = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
@@ -141,7 +142,9 @@ def test_activation_stats_logs_per_layer_series_arrays_and_a_figure(workdir, cap
     png = artifact(workdir, run, "experiments/activation_stats/rms_by_layer.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 10_000
     array = np.load(artifact(workdir, run, "experiments/activation_stats/prefill/rms.npy"))
-    assert array.shape == (4, 30) and np.allclose(array[3], [rms[i] for i in range(30)], rtol=1e-6)
+    after_layer = LAYER_NAMES.index("after_layer")
+    assert array.shape == (len(LAYER_NAMES), 30)
+    assert np.allclose(array[after_layer], [rms[i] for i in range(30)], rtol=1e-6)
     # an observer writes nothing: no clean-model comparison is made
     assert not any(k.startswith("effect.") for k in run.data.metrics)
 

@@ -38,7 +38,9 @@ def test_the_table_is_well_formed() -> None:
     assert len(set(NAMES)) == len(NAMES)
     for stage in STAGES:
         assert stage.name.isidentifier() and stage.argument.isidentifier(), stage
-        assert stage.rows in ("tokens", "1") and stage.width in ("hidden", "vocab"), stage
+        assert stage.rows in ("tokens", "1", "heads × tokens"), stage
+        widths = ("hidden", "vocab", "heads × head_dim", "kv_heads × head_dim", "positions")
+        assert stage.width in widths, stage
         assert stage.phases and stage.phases <= set(ExecutionPhase), stage
         assert stage.meaning and not stage.meaning.endswith("."), stage
     assert ALL_HOOKS[2:-1] == NAMES
@@ -215,7 +217,9 @@ def test_the_engine_fires_every_stage_where_the_table_says(smollm2) -> None:
     order = ([(s.name, None) for s in MODEL_STAGES if s not in HEAD_STAGES]
              + [(s.name, i) for i in range(config.layer_count) for s in LAYER_STAGES]
              + [(s.name, None) for s in HEAD_STAGES])
-    width = {"hidden": config.hidden_size, "vocab": config.vocab_size}
+    width = {"hidden": config.hidden_size, "vocab": config.vocab_size,
+             "heads × head_dim": config.head_count * config.head_dim,
+             "kv_heads × head_dim": config.head_count_kv * config.head_dim}
     for evaluation in range(1 + generation.timings.decode_evaluations):
         records = [r for r in recorder.records if r.evaluation == evaluation]
         phase = records[0].phase
@@ -223,8 +227,10 @@ def test_the_engine_fires_every_stage_where_the_table_says(smollm2) -> None:
         assert [(r.stage, r.layer) for r in records] == expected
         for record in records:
             stage = BY_NAME[record.stage]
-            rows = record.token_count if stage.rows == "tokens" else 1
-            assert record.array.shape == (rows, width[stage.width]), (record.stage, record.array.shape)
+            T = record.token_count
+            rows = {"tokens": T, "1": 1, "heads × tokens": config.head_count * T}
+            columns = width.get(stage.width, record.start_position + record.token_count)  # positions
+            assert record.array.shape == (rows[stage.rows], columns), (record.stage, record.array.shape)
             assert record.array.dtype == np.float32
     assert {r.phase for r in recorder.records} == set(ExecutionPhase)
     assert set(LAYER_NAMES) <= {r.stage for r in recorder.records}

@@ -43,7 +43,9 @@ def _does_nothing(stage: Stage) -> Callable[..., None]:
 
 
 class HooksAdapter(Protocol):
-    """What a family forward pass may call: `begin_evaluation`, then one method per stage."""
+    """What a family forward pass may call: `begin_evaluation`, then one method per stage. An adapter may
+    say at which stages it listens (`listening`, a set of stage names; `ember.stages.listened`): the engine
+    forms the on-demand stages' arrays only there."""
 
     def begin_evaluation(self, phase: ExecutionPhase, start_position: int, token_count: int) -> None: ...
 
@@ -57,6 +59,7 @@ class DisabledHooks:
     """The adapter used without experiments: every method does nothing and builds nothing."""
 
     __slots__ = ()
+    listening: frozenset[str] = frozenset()
 
     def begin_evaluation(self, phase: ExecutionPhase, start_position: int, token_count: int) -> None:
         pass
@@ -102,6 +105,7 @@ class ActiveHooks:
                     calls[hook].append((experiment.name, method))
         self._calls = calls
         self._stage_calls = tuple(calls[stage.name] for stage in STAGES)  # indexed like STAGES
+        self.listening = frozenset(stage.name for stage in STAGES if calls[stage.name])
 
     # -- lifecycle (called by the runner) ------------------------------------------------------
 

@@ -24,14 +24,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
 
+from ember import stages
 from ember.config import MetadataReader, ModelConfig, RopeLayout
 from ember.errors import GGUFError
 from ember.families import llama
 from ember.families.head import final_norm_and_logits, readout_logits
+from ember.families.inside import show_inputs
 from ember.families.workspace import Workspace
 from ember.gguf_file import GGUFFile
 from ember.kv_cache import LayeredKVCache
@@ -228,13 +231,14 @@ class Gemma3Forward:
         sequence's last row, or of every row when all_logits."""
         c, w = self.config, self.weights
         rows.begin(hooks, phase)
+        listened = stages.listened(hooks)  # the on-demand stages inside attention that hooks listen at
 
         self.embed(rows.token_ids, rows.hidden)
         for i, layer in enumerate(w.layers):
             h, ws = rows.enter(i)
             hooks.before_layer(i, h)
             x = self.norm(h, layer.attn_norm, ws)
-            o = self.attention(i, layer, x, rows, ws)
+            o = self.attention(i, layer, x, rows, ws, hooks, listened)
             a = self.post_norm(o, layer.post_attention_norm, ws)
             hooks.after_attention(i, a)
             h += a
@@ -261,7 +265,8 @@ class Gemma3Forward:
         """RMSNorm(o, weight) in place (the sandwich norm after attention and MLP)."""
         return rms_norm(o, weight, self.config.rms_norm_eps, o, ws.row_scratch)
 
-    def attention(self, i: int, layer: LayerWeights, x: np.ndarray, rows: Rows, ws: Workspace) -> np.ndarray:
+    def attention(self, i: int, layer: LayerWeights, x: np.ndarray, rows: Rows, ws: Workspace,
+                  hooks: Any, listened: frozenset[str]) -> np.ndarray:
         """o = attention(q, k, v) Woᵀ, q, k, v = x Wqᵀ, x Wkᵀ, x Wvᵀ with q, k RMSNorm-ed per head then
         rotated with layer i's rope; each row attends over its own sequence's keys, within the window on
         a sliding layer (k, v go to layer i's cache). Returns ws.attention_output."""
@@ -281,8 +286,14 @@ class Gemma3Forward:
         apply_rope(q, cos, sin, c.rope_layout, c.rope_dim, ws.rope_a, ws.rope_b, ws.rope_scratch)
         apply_rope(k, cos, sin, c.rope_layout, c.rope_dim, ws.rope_a[:, :n_kv], ws.rope_b[:, :n_kv],
                    k_scratch)
+        pattern = None
+        if listened:
+            show_inputs(hooks, i, listened, q, k, v)
+            if "attention_pattern" in listened:
+                pattern = partial(hooks.attention_pattern, i)
         rows.attend(i, q, k, v, scale=c.attention_scale, window=self.layer_window[i], out=ws.attention_heads,
-                    ws=ws)
+                    ws=ws, pattern=pattern)
+        hooks.attention_heads(i, ws.attention_heads)
         return linear(ws.attention_heads, layer.attn_output, ws.attention_output)
 
     def mlp(self, layer: LayerWeights, y: np.ndarray, ws: Workspace) -> np.ndarray:

@@ -37,14 +37,17 @@ a float32 copy (1.5 GiB for E2B's 262144 x 1536 table); the PLE table is still r
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
 
+from ember import stages
 from ember.buffers import aligned_zeros
 from ember.config import MetadataReader, ModelConfig, RopeLayout
 from ember.errors import GGUFError
 from ember.families.head import final_norm_and_logits, readout_logits
+from ember.families.inside import show_inputs
 from ember.families.workspace import head_of
 from ember.gguf_file import GGUFFile
 from ember.kv_cache import LayeredKVCache
@@ -427,6 +430,7 @@ class Gemma4Forward:
         sequence's last row, or of every row when all_logits."""
         c, w = self.config, self.weights
         rows.begin(hooks, phase)
+        listened = stages.listened(hooks)  # the on-demand stages inside attention that hooks listen at
 
         ws, T = rows.ws, rows.count
         self.embed(rows.token_ids, ws.hidden)
@@ -436,7 +440,7 @@ class Gemma4Forward:
             h, ws = rows.enter(i)
             hooks.before_layer(i, h)
             x = self.norm(h, layer.attn_norm, ws)
-            o = self.attention(i, layer, x, rows, ws)
+            o = self.attention(i, layer, x, rows, ws, hooks, listened)
             a = self.post_norm(o, layer.post_attention_norm, ws)
             hooks.after_attention(i, a)
             h += a
@@ -464,7 +468,8 @@ class Gemma4Forward:
         """RMSNorm(o, weight) in place (after attention, MLP and the PLE term)."""
         return rms_norm(o, weight, self.config.rms_norm_eps, o, ws.row_scratch)
 
-    def attention(self, i: int, layer: LayerWeights, x: np.ndarray, rows: Rows, ws: Workspace) -> np.ndarray:
+    def attention(self, i: int, layer: LayerWeights, x: np.ndarray, rows: Rows, ws: Workspace,
+                  hooks: Any, listened: frozenset[str]) -> np.ndarray:
         """o = attention(q, k, v) Woᵀ with layer i's geometry and rope: q = rope(RMSNorm(x Wqᵀ)) per head;
         a layer that owns K/V forms k = rope(RMSNorm(x Wkᵀ)), v = RMSNorm(x Wvᵀ or the raw k) (stored, and
         kept for the layers sharing them); a shared layer reads its source's. Each row attends over its
@@ -486,6 +491,9 @@ class Gemma4Forward:
         apply_rope(q, cos, sin, RopeLayout.NEOX, rope_dim, *rope_scratch)
         heads = ws.view(ws.heads, T, q_width)
         window = c.sliding_window if sliding else 0
+        pattern = None
+        if listened and "attention_pattern" in listened:
+            pattern = partial(hooks.attention_pattern, i)
         if c.owns_kv(i):
             k = projected[:, q_width:q_width + kv_width].reshape(T, n_kv, hd)
             if layer.has_v:
@@ -496,9 +504,18 @@ class Gemma4Forward:
             rms_norm(k, layer.k_norm, eps, k, ws.head_scratch[:T, :n_kv])
             rms_norm(v, None, eps, v, ws.head_scratch[:T, :n_kv])
             apply_rope(k, cos, sin, RopeLayout.NEOX, rope_dim, *(s[:, :n_kv] for s in rope_scratch))
-            rows.attend(i, q, k, v, scale=1.0, window=window, out=heads, ws=ws, keep=True)
-        else:
-            rows.attend_shared(i, c.kv_source[i], q, scale=1.0, window=window, out=heads, ws=ws)
+            if listened:
+                show_inputs(hooks, i, listened, q, k, v)
+            rows.attend(i, q, k, v, scale=1.0, window=window, out=heads, ws=ws, keep=True, pattern=pattern)
+        else:  # the source layer's keys and values, as this layer reads them (writes reach this layer only)
+            inputs = None
+            if listened:
+                show_inputs(hooks, i, listened, q, None, None)
+                if "attention_keys" in listened or "attention_values" in listened:
+                    inputs = partial(show_inputs, hooks, i, listened, None)
+            rows.attend_shared(i, c.kv_source[i], q, scale=1.0, window=window, out=heads, ws=ws,
+                               pattern=pattern, inputs=inputs)
+        hooks.attention_heads(i, heads)
         return linear(heads, layer.attn_output, ws.attention_output)
 
     def mlp(self, i: int, layer: LayerWeights, y: np.ndarray, ws: Workspace) -> np.ndarray:

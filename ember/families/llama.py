@@ -18,13 +18,16 @@ logits = z Woutᵀ (or z Eᵀ when tied)         → after_logits
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
 
+from ember import stages
 from ember.config import MetadataReader, ModelConfig, RopeLayout
 from ember.errors import GGUFError
 from ember.families.head import final_norm_and_logits, readout_logits
+from ember.families.inside import checkpoint_order, show_inputs
 from ember.families.workspace import Workspace
 from ember.gguf_file import GGUFFile
 from ember.kv_cache import KVCache
@@ -178,6 +181,9 @@ class LlamaForward:
             linear_factor=config.rope_linear_factor, frequency_factors=factors,
         )
         self.scale = 1.0 / float(np.sqrt(config.head_dim))
+        # llama's Q/K rows are permuted for its rope layout: the stages show them in the checkpoint's order
+        norm_rope = config.rope_layout is RopeLayout.NORM
+        self.checkpoint_order = checkpoint_order(config.head_dim) if norm_rope else None
 
     def new_cache(self, context_length: int) -> KVCache:
         c = self.config
@@ -201,13 +207,14 @@ class LlamaForward:
         sequence's last row, or of every row when all_logits."""
         c, w = self.config, self.weights
         rows.begin(hooks, phase)
+        listened = stages.listened(hooks)  # the on-demand stages inside attention that hooks listen at
 
         self.embed(rows.token_ids, rows.hidden)
         for i, layer in enumerate(w.layers):
             h, ws = rows.enter(i)
             hooks.before_layer(i, h)
             x = self.norm(h, layer.attn_norm, ws)
-            a = self.attention(i, layer, x, rows, ws)
+            a = self.attention(i, layer, x, rows, ws, hooks, listened)
             hooks.after_attention(i, a)
             h += a
             y = self.norm(h, layer.ffn_norm, ws)
@@ -224,7 +231,8 @@ class LlamaForward:
         """RMSNorm(h, weight) into ws.normed."""
         return rms_norm(h, weight, self.config.rms_norm_eps, ws.normed, ws.row_scratch)
 
-    def attention(self, i: int, layer: LayerWeights, x: np.ndarray, rows: Rows, ws: Workspace) -> np.ndarray:
+    def attention(self, i: int, layer: LayerWeights, x: np.ndarray, rows: Rows, ws: Workspace,
+                  hooks: Any, listened: frozenset[str]) -> np.ndarray:
         """a = attention(rope(q), rope(k), v) Woᵀ with q, k, v = x Wqᵀ, x Wkᵀ, x Wvᵀ (qwen3: q, k
         RMSNorm-ed per head before rope); each row attends over its own sequence's keys (k, v go to
         layer i's cache). Returns ws.attention_output."""
@@ -244,7 +252,13 @@ class LlamaForward:
         apply_rope(q, cos, sin, c.rope_layout, c.rope_dim, ws.rope_a, ws.rope_b, ws.rope_scratch)
         apply_rope(k, cos, sin, c.rope_layout, c.rope_dim, ws.rope_a[:, :n_kv], ws.rope_b[:, :n_kv],
                    k_scratch)
-        rows.attend(i, q, k, v, scale=self.scale, window=0, out=ws.attention_heads, ws=ws)
+        pattern = None
+        if listened:
+            show_inputs(hooks, i, listened, q, k, v, self.checkpoint_order)
+            if "attention_pattern" in listened:
+                pattern = partial(hooks.attention_pattern, i)
+        rows.attend(i, q, k, v, scale=self.scale, window=0, out=ws.attention_heads, ws=ws, pattern=pattern)
+        hooks.attention_heads(i, ws.attention_heads)
         return linear(ws.attention_heads, layer.attn_output, ws.attention_output)
 
     def mlp(self, layer: LayerWeights, y: np.ndarray, ws: Workspace) -> np.ndarray:

@@ -1,8 +1,8 @@
 """Layer and logits dumps of one generation: `.npz` arrays and a JSON index.
 
-`layers.npz` holds, for every evaluation (the prefill, then each decode step), every stage of hidden
-width (`ember.stages.STAGES`: every layer's `before_layer`, `after_attention`, `after_mlp`, `after_layer`,
-and `before_logits`); `logits.npz` holds the stages of vocabulary width (`after_logits`) of every
+`layers.npz` holds, for every evaluation (the prefill, then each decode step), every stage not of
+vocabulary width (`ember.stages.STAGES`: every layer's stages, the ones inside attention included, and
+`before_logits`); `logits.npz` holds the stages of vocabulary width (`after_logits`) of every
 evaluation. The arrays are copies of exactly what the hooks see at those boundaries (same calls, same
 buffers). `index.json` lists each array: file, key, evaluation, phase, layer, stage, positions
 [start, end) of its rows (before/after_logits: the last position) and shape.
@@ -100,12 +100,14 @@ def write_dump(records: list[Record], generation: Any, directory: str | os.PathL
 
 
 def _entry(file: str, record: Record) -> dict[str, Any]:
-    # Layer boundaries hold a row per evaluated token; before/after_logits only the last token's row.
+    # Layer stages cover every evaluated token (a pattern: a row per head and token); before/after_logits
+    # only the last token's row.
     end = record.start_position + record.token_count
+    rows = record.token_count if record.layer is not None else 1
     return {
         "file": file, "key": array_key(record), "evaluation": record.evaluation,
         "phase": record.phase.value, "layer": record.layer, "stage": record.stage,
-        "positions": [end - record.array.shape[0], end],
+        "positions": [end - rows, end],
         "shape": list(record.array.shape), "dtype": str(record.array.dtype),
     }
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from ember.errors import ConfigError
 from ember.experiments.context import BatchLayout, ExecutionPhase
-from ember.stages import NAMES, Scope, Stage, define_stage_methods
+from ember.stages import BY_NAME, NAMES, Scope, Stage, define_stage_methods
 
 STAGES = NAMES  # every stage's name, in call order
 POOLS = ("last", "mean")
@@ -37,11 +37,20 @@ class Record:
     def sequence_rows(self, index: int) -> np.ndarray | None:
         """The rows of the batch's sequence `index` (the caller's order) in a full copy (no `reduce`):
         at a layer stage one per evaluated position, at a model stage its one row; None where the
-        sequence is not evaluated (a layer before its first). Without a batch: the whole array."""
+        sequence is not evaluated (a layer before its first); a pattern's rows of every head, its columns
+        those of the sequence's own positions. Without a batch: the whole array."""
         if self.batch is None:
             return self.array
-        span = next((s for s in self.batch.spans(self.layer) if s.index == index), None)
-        return None if span is None else self.array[span.rows]
+        spans = self.batch.spans(self.layer)
+        span = next((s for s in spans if s.index == index), None)
+        if span is None:
+            return None
+        if BY_NAME[self.stage].rows == "heads × tokens":  # a pattern: [heads × rows, positions]
+            rows = max(s.rows.stop for s in spans)
+            columns = span.start_position + span.rows.stop - span.rows.start  # its own positions
+            heads = self.array.reshape(self.array.shape[0] // rows, rows, self.array.shape[1])
+            return np.ascontiguousarray(heads[:, span.rows, :columns]).reshape(-1, columns)
+        return self.array[span.rows]
 
 
 def pool_rows(array: np.ndarray, pool: str) -> np.ndarray:
@@ -81,6 +90,11 @@ class BoundaryRecorder:
         self._count = 0
         self._batch: BatchLayout | None = None
         self._active = True
+
+    @property
+    def listening(self) -> frozenset[str]:
+        """The stages it records in this evaluation's phase (the engine forms on-demand stages only there)."""
+        return self.stages if self._active else frozenset()
 
     def begin_evaluation(self, phase: ExecutionPhase, start_position: int, token_count: int) -> None:
         self.evaluations += 1
