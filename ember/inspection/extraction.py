@@ -107,6 +107,7 @@ class StatePooler:
         self.pool = pool
         self.prompts: Sequence[int] = ()  # the prompt (row of `states`) of each sequence, caller's order
         self._batch: BatchLayout | None = None
+        self.listening = frozenset({stage})  # the engine forms an on-demand stage only where one listens
 
     def begin_evaluation(self, phase: ExecutionPhase, start_position: int, token_count: int) -> None:
         self._batch = None  # one sequence: prompts[0]
