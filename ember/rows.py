@@ -25,7 +25,7 @@ Everything here is bookkeeping and attention; the math of a layer stays in the f
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -452,14 +452,12 @@ def _first_positions(saved: np.ndarray | None, count: int) -> np.ndarray | None:
     return None if saved is None else saved[:, :count]
 
 
-def ragged_attention_numpy(q: np.ndarray, k: np.ndarray, v: np.ndarray, prefix_keys: np.ndarray,
-                           prefix_values: np.ndarray, offsets: np.ndarray, starts: np.ndarray,
-                           prefix_index: np.ndarray, prefix_length: np.ndarray, own: np.ndarray,
-                           row_entry: np.ndarray, row_positions: np.ndarray, scale: float, window: int,
-                           out: np.ndarray) -> None:
-    """What `token_ops.ragged_attention` computes, in NumPy (where numba cannot run): per sequence, its
-    keys (the saved ones before its start, then its own rows) and `ember.ops.attention` over them."""
-    for e in range(len(starts)):
+def _sequence_keys(k: np.ndarray, v: np.ndarray, prefix_keys: np.ndarray, prefix_values: np.ndarray,
+                   offsets: np.ndarray, prefix_index: np.ndarray, prefix_length: np.ndarray,
+                   own: np.ndarray) -> Iterator[tuple[int, slice, np.ndarray, np.ndarray]]:
+    """Per non-empty sequence e of a batch: its rows and the keys and values its rows read ([kv, L, hd]:
+    the saved ones before its start, then its own rows), as `token_ops.ragged_attention` reads them."""
+    for e in range(len(prefix_length)):
         span = slice(int(offsets[e]), int(offsets[e + 1]))
         if span.start == span.stop:
             continue
@@ -471,7 +469,18 @@ def ragged_attention_numpy(q: np.ndarray, k: np.ndarray, v: np.ndarray, prefix_k
         if own[e]:
             parts_k.append(k[span].transpose(1, 0, 2))
             parts_v.append(v[span].transpose(1, 0, 2))
-        keys, values = np.concatenate(parts_k, axis=1), np.concatenate(parts_v, axis=1)
+        yield e, span, np.concatenate(parts_k, axis=1), np.concatenate(parts_v, axis=1)
+
+
+def ragged_attention_numpy(q: np.ndarray, k: np.ndarray, v: np.ndarray, prefix_keys: np.ndarray,
+                           prefix_values: np.ndarray, offsets: np.ndarray, starts: np.ndarray,
+                           prefix_index: np.ndarray, prefix_length: np.ndarray, own: np.ndarray,
+                           row_entry: np.ndarray, row_positions: np.ndarray, scale: float, window: int,
+                           out: np.ndarray) -> None:
+    """What `token_ops.ragged_attention` computes, in NumPy (where numba cannot run): per sequence, its
+    keys (the saved ones before its start, then its own rows) and `ember.ops.attention` over them."""
+    for e, span, keys, values in _sequence_keys(k, v, prefix_keys, prefix_values, offsets, prefix_index,
+                                                prefix_length, own):
         rows = span.stop - span.start
         key_positions = np.arange(keys.shape[1])
         heads = np.empty((rows, q.shape[1] * values.shape[2]), np.float32)
@@ -493,19 +502,8 @@ def patterned_ragged(q: np.ndarray, k: np.ndarray, v: np.ndarray, prefix_keys: n
     columns = int(row_positions.max()) + 1
     probabilities = np.zeros((q.shape[1], rows, columns), np.float32)
     sequences = []
-    for e in range(len(starts)):
-        span = slice(int(offsets[e]), int(offsets[e + 1]))
-        if span.start == span.stop:
-            continue
-        parts_k, parts_v = [], []
-        if prefix_length[e]:
-            source = int(prefix_index[e])
-            parts_k.append(prefix_keys[source, :, :prefix_length[e]])
-            parts_v.append(prefix_values[source, :, :prefix_length[e]])
-        if own[e]:
-            parts_k.append(k[span].transpose(1, 0, 2))
-            parts_v.append(v[span].transpose(1, 0, 2))
-        keys, values = np.concatenate(parts_k, axis=1), np.concatenate(parts_v, axis=1)
+    for _, span, keys, values in _sequence_keys(k, v, prefix_keys, prefix_values, offsets, prefix_index,
+                                                prefix_length, own):
         positions = np.arange(keys.shape[1])
         form_pattern(q[span], keys, positions, row_positions[span], scale, window, probabilities[:, span])
         sequences.append((span, values, positions))
