@@ -34,6 +34,12 @@ def test_engine_buffers_are_aligned(smollm2):
     assert all(array.ctypes.data % ALIGNMENT == 0 for array in cache.keys + cache.values)
 
 
+@pytest.fixture(autouse=True)
+def fresh_backoff(monkeypatch):
+    """Each test starts with sharing on (a loss an earlier test saw would make shares serial)."""
+    monkeypatch.setattr(parallel, "_backoff", parallel._Backoff())
+
+
 @pytest.mark.parametrize("count,values", [(1, 1 << 20), (5, 1 << 20), (128, 1 << 20), (128, 1 << 16),
                                           (4096, 1 << 24), (128, 10)])
 def test_share_ranges_covers_every_index_once_in_small_pieces(count, values):
@@ -109,3 +115,49 @@ def test_split_activations_and_rope_equal_the_single_threaded_values_bit_for_bit
     assert x.size >= parallel.SPLIT_VALUES  # the split path runs
     for one, two in zip(_elementwise(1, x), _elementwise(2, x), strict=True):
         assert np.array_equal(one, two)
+
+
+def test_backoff_stops_sharing_when_recent_shares_lost_time_for_a_period_that_doubles_and_halves():
+    backoff = parallel._Backoff()
+    # (worked, took, mine, count): the caller alone would have taken 0.002 s
+    win, small_loss, loss = (0.001, 0.0012, 1, 2), (0.001, 0.0022, 1, 2), (0.001, 0.01, 1, 2)
+    for _ in range(20):
+        backoff.record(*win)
+    backoff.record(*small_loss)  # 10% over the caller alone, after gains: sharing goes on
+    assert not backoff.serial()
+    backoff.record(*loss)  # a wait of 4 times the work (a helper that lost its core) outweighs the gains
+    assert [backoff.serial() for _ in range(backoff.MIN_SERIAL + 1)] == [True] * backoff.MIN_SERIAL + [False]
+    backoff.record(*loss)
+    assert sum(backoff.serial() for _ in range(10 * backoff.MIN_SERIAL)) == 2 * backoff.MIN_SERIAL
+    backoff.record(*win)
+    backoff.record(*win)
+    assert backoff.period == backoff.MIN_SERIAL  # 4 · MIN after the second stop, halved twice
+    for _ in range(5):
+        backoff.record(0.001, 0.0012, 2, 2)  # the helpers took nothing: at most 20% over, sharing goes on
+    assert not backoff.serial()
+
+
+def test_a_helper_that_holds_its_piece_makes_the_next_shares_run_in_the_caller_alone():
+    """A helper's piece outlasts the caller's own work many times over (as when another process took
+    its core): the following shares run in the calling thread alone, with every piece still run once."""
+    caller = threading.get_ident()
+    helper_started = threading.Event()
+
+    def held(index: int) -> None:
+        if threading.get_ident() != caller:
+            helper_started.set()
+            threading.Event().wait(0.2)  # the helper's piece: waiting, as a preempted thread
+        else:
+            assert helper_started.wait(120)  # the caller's first piece waits for the helper's
+
+    done = []
+
+    def slow(index: int) -> None:  # long enough that a helper sharing this would take a piece
+        done.append((index, threading.get_ident()))
+        threading.Event().wait(0.05)
+
+    with parallel.use_threads(2):
+        parallel.share(held, 4)  # the first share after a fresh start is shared
+        parallel.share(slow, 10)
+    assert sorted(index for index, _ in done) == list(range(10))
+    assert {thread for _, thread in done} == {caller}

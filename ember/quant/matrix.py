@@ -84,6 +84,12 @@ TRANSPOSED_BELOW = TRANSPOSED_BELOW_AVX512 if AVX512 else 0
 # Not tuned on a quiet machine: per-piece timings taken while other sessions kept the load at 8-10
 # (2 cores) did not separate 2^13...2^18 from each other.
 PIECE_VALUES = 1 << 16
+# A product of fewer multiply-adds than this (weights × activation rows) runs in the calling thread
+# alone: waking a helper and waiting for its last piece costs more than the split saves. Measured on
+# SmolLM2 (Xeon, idle, 2026-12-04, µs per product 1 thread / 2 threads): decode attn_output 576×576
+# 40 / 78, qkv 960×576 60 / 78, ffn_down 576×1536 73 / 113, gate_up 3072×576 199 / 146; 2 rows:
+# attn_output 77 / 93, qkv 165 / 121. Shared from 2^20 on, decode ran 1.00× at 2 threads against 1.
+SHARED_FROM = 1 << 20
 HALF = 16  # handed to the kernels at run time (see kernels._decode)
 # The kernels take the parts of a stacked weight as a tuple of exactly this many (padded with empty
 # parts): numba compiles a function once per tuple length, ~30 s each on 2 cores.
@@ -119,13 +125,14 @@ def kernel_groups(parts: Sequence[QuantizedMatrix]) -> list[KernelGroup]:
     return groups
 
 
-def _on_threads(groups: list[KernelGroup], rows: int, piece: int,
+def _on_threads(groups: list[KernelGroup], rows: int, piece: int, work: int,
                 call: Callable[[KernelGroup, np.ndarray], None]) -> None:
-    """call(group, counter) for each kernel group, in the calling thread alone or, with more threads,
-    in each of up to `threads()` threads at once (each call takes `piece` rows at a time through the
-    group's counter until none is left: `kernels.matvec`). No BLAS runs inside."""
+    """call(group, counter) for each kernel group, in the calling thread alone or, for a product of
+    `work` multiply-adds from SHARED_FROM on, in each of up to `threads()` threads at once (each call
+    takes `piece` rows at a time through the group's counter until none is left: `kernels.matvec`).
+    No BLAS runs inside."""
     counters = np.zeros((len(groups), 1), np.int64)
-    workers = min(parallel.threads(), -(-rows // piece))
+    workers = parallel.workers(-(-rows // piece)) if work >= SHARED_FROM else 1
 
     def run(_: int) -> None:
         for group, counter in zip(groups, counters, strict=True):
@@ -134,12 +141,12 @@ def _on_threads(groups: list[KernelGroup], rows: int, piece: int,
     if workers <= 1:
         run(0)
     else:
-        parallel.share(run, workers, blas=False)
+        parallel.share(run, workers, blas=False, on=workers)
 
 
 def _matvec(groups: list[KernelGroup], x: np.ndarray, out: np.ndarray) -> np.ndarray:
     piece = max(16, PIECE_VALUES // x.shape[1] // 16 * 16)
-    _on_threads(groups, out.shape[1], piece, lambda group, counter: kernels.matvec(
+    _on_threads(groups, out.shape[1], piece, out.size * x.shape[1], lambda group, counter: kernels.matvec(
         *group, x[0], out[0], kernels.F16_TABLE, counter, piece))
     return out
 
@@ -151,7 +158,8 @@ def _small_batch(groups: list[KernelGroup], x: np.ndarray, out: np.ndarray) -> n
     contiguous = out if out.flags.c_contiguous else np.empty(out.shape, np.float32)
     rows = np.ascontiguousarray(x)
     piece = max(4, PIECE_VALUES // x.size)
-    _on_threads(groups, out.shape[1], piece, lambda group, counter: kernels.matmul_rows(
+    work = out.shape[1] * x.size
+    _on_threads(groups, out.shape[1], piece, work, lambda group, counter: kernels.matmul_rows(
         *group, rows, contiguous, kernels.F16_TABLE, HALF, counter, piece))
     if contiguous is not out:
         out[...] = contiguous
