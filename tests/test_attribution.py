@@ -17,6 +17,8 @@ import pytest
 
 import ember
 from ember.experiments import Experiment
+from ember.experiments.direct_logit_attribution import DirectLogitAttribution
+from ember.runs.study import run_items
 
 TOLERANCE = 1e-5
 
@@ -175,4 +177,60 @@ def test_bad_input_is_one_readable_line(smollm2) -> None:
         readout.logit_difference(np.zeros(576, np.float32), 49152, 0, 1.0)
     with pytest.raises(ValueError, match="must be positive"):
         readout.logit_difference(np.zeros(576, np.float32), 1, 0, 0.0)
+
+
+# -- the experiment ---------------------------------------------------------------------------------
+
+def check_experiment(model, items, softcaps: list[float] | None = None) -> DirectLogitAttribution:
+    """Per item the components add up to the attributed logit difference, which is the model's (before
+    any softcap: `softcaps`, per item the pre-softcap difference) within 1e-4 relative; each layer's heads
+    add up to its attention."""
+    experiment = DirectLogitAttribution()
+    results = run_items(model, experiment, items)
+    layers = model.config.layer_count
+    for k, result in enumerate(results):
+        values = result.values
+        parts = [values["embedding"], values["rest"], *result.series["attention"].values(),
+                 *result.series["mlp"].values()]
+        assert len(parts) == 2 + 2 * layers
+        linear = values["logit_diff_linear"]
+        expected = values["logit_diff"] if softcaps is None else softcaps[k]
+        assert abs(sum(parts) - linear) <= 1e-4 * max(abs(linear), max(map(abs, parts)))
+        assert abs(linear - expected) <= 1e-4 * abs(expected), (linear, expected)
+    arrays = experiment.results().arrays
+    heads, per_layer = arrays["head_logit_diff"], arrays["layer_logit_diff"]
+    assert heads.shape == (layers, model.config.head_count)
+    assert relative_error(heads.sum(axis=1), per_layer[0]) <= 1e-4
+    return experiment
+
+
+def test_direct_logit_attribution_on_ioi(smollm2) -> None:
+    from test_study_experiments import items_of
+
+    items = items_of(smollm2, "ioi", 3)
+    experiment = check_experiment(smollm2, items)
+    results = experiment.results()
+    rests = [r.values["rest"] for r in run_items(smollm2, DirectLogitAttribution(), items[:1])]
+    assert abs(rests[0]) <= 1e-4  # llama adds nothing but attention and MLP to the residual
+    assert results.metrics[0].value == 3
+    top = results.tables["heads"][0]
+    assert abs(top["mean_logit_diff"]) == np.abs(results.arrays["head_logit_diff"]).max()
+    assert len(results.tables["heads"]) == 30 * 9 and len(results.tables["layers"]) == 30
+    assert "heads" in results.figures
+
+
+def test_direct_logit_attribution_on_gemma4(tiny_gemma4) -> None:
+    """Layer output scales and per-layer embeddings (`rest`), and the softcap: compared before it."""
+    from ember.experiments.study import StudyItem
+
+    model, spec = tiny_gemma4
+    cap = spec.final_logit_softcapping
+    logits = cap * np.arctanh(model.logits(GEMMA4_PROMPT)[-1].astype(np.float64) / cap)
+    order = np.argsort(logits)
+    pairs = [(int(order[-1]), int(order[0])), (int(order[len(order) // 2]), int(order[-1]))]
+    items = [StudyItem(k, tuple(GEMMA4_PROMPT), "", answer_ids=(a,), wrong_answer_ids=(b,))
+             for k, (a, b) in enumerate(pairs)]
+    check_experiment(model, items, [logits[a] - logits[b] for a, b in pairs])
+    rest = run_items(model, DirectLogitAttribution(), items[:1])[0].values["rest"]
+    assert abs(rest) > 1e-2  # the PLE terms and the output scales write something
 
