@@ -105,6 +105,13 @@ def build(*overrides: str, layer_count: int = 30):
     return build_experiments(parsed(*overrides).experiments, BUILTIN_EXPERIMENTS, layer_count)
 
 
+def test_ablation_takes_heads_without_a_layer():
+    (ablation,) = build("experiment=ablation", "experiments.0.heads=[[9,3],[9,1],[2,0]]")
+    assert ablation.heads == {2: (0,), 9: (1, 3)} and ablation.layers == ()
+    with pytest.raises(ConfigError, match="needs `layer`"):
+        build("experiment=ablation")
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
