@@ -39,9 +39,6 @@ from ember.experiments.study import Evaluation, ItemResult, StudyItem
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-STAGES = ("before_layer", "attention_heads", "after_attention", "after_mlp", "after_layer")
-
-
 class DirectLogitAttribution(Experiment):
     """The logit difference (answer − wrong answer) written by the embedding, each layer's attention and
     MLP, and each head, at the clean run's final-norm scale. Parameters: `name`."""
@@ -55,7 +52,7 @@ class DirectLogitAttribution(Experiment):
         self._layers = 0
         self._heads = 0
         self._model = ""
-        self._rows: dict[int, dict[tuple[str, int], np.ndarray]] = {}  # item → (stage, layer) → last row
+        self._rows: dict[int, dict[tuple[str, int], np.ndarray]] = {}  # item → (part, layer) → last row
         self._head_sums: np.ndarray | None = None   # [layers, heads]
         self._layer_sums: np.ndarray | None = None  # [2, layers]: attention, MLP
         self._items = 0
@@ -76,30 +73,30 @@ class DirectLogitAttribution(Experiment):
 
     # -- hooks: the last row of each tagged sequence -------------------------------------------------
 
-    def _keep(self, stage: str, ctx: LayerContext, tensor: TensorAccess) -> None:
+    def _keep(self, part: str, ctx: LayerContext, tensor: TensorAccess) -> None:
         if ctx.execution.phase is not ExecutionPhase.PREFILL:
             return
         values = tensor.values()
         for span in ctx.spans:
             if span.tag is not None:
                 last = values[span.rows.stop - 1]
-                self._rows.setdefault(span.tag, {})[(stage, ctx.layer_index)] = last.copy()
+                self._rows.setdefault(span.tag, {})[(part, ctx.layer_index)] = last.copy()
 
     def before_layer(self, ctx: LayerContext, hidden: TensorAccess) -> None:
         if ctx.layer_index == 0:
-            self._keep("before_layer", ctx, hidden)
+            self._keep("embedding", ctx, hidden)
 
     def attention_heads(self, ctx: LayerContext, heads: TensorAccess) -> None:
-        self._keep("attention_heads", ctx, heads)
+        self._keep("heads", ctx, heads)
 
     def after_attention(self, ctx: LayerContext, attention_output: TensorAccess) -> None:
-        self._keep("after_attention", ctx, attention_output)
+        self._keep("attention", ctx, attention_output)
 
     def after_mlp(self, ctx: LayerContext, mlp_output: TensorAccess) -> None:
-        self._keep("after_mlp", ctx, mlp_output)
+        self._keep("mlp", ctx, mlp_output)
 
     def after_layer(self, ctx: LayerContext, hidden: TensorAccess) -> None:
-        self._keep("after_layer", ctx, hidden)
+        self._keep("residual", ctx, hidden)
 
     # -- an item ---------------------------------------------------------------------------------------
 
@@ -129,19 +126,19 @@ class DirectLogitAttribution(Experiment):
         `attention`, `mlp`, `rest` ([layers]) and `heads` ([layers, heads]), float64."""
         readout, L = self._readout, self._layers
         carried = np.array([readout.carried(layer) for layer in range(L + 1)])
-        stacked = {stage: np.stack([rows[(stage, layer)] for layer in range(L)])
-                   for stage in STAGES[2:]}
-        final = stacked["after_layer"][L - 1]
+        stacked = {part: np.stack([rows[(part, layer)] for layer in range(L)])
+                   for part in ("attention", "mlp", "residual")}  # its outputs, the residual after it
+        final = stacked["residual"][L - 1]
         scale = float(readout.final_scale(final)[0])
 
         def attributed(vectors: np.ndarray) -> np.ndarray:
             return readout.logit_difference(vectors, answer, wrong, scale)
 
-        before = np.concatenate([rows[("before_layer", 0)][None], stacked["after_layer"][:-1]])
-        attention, mlp = stacked["after_attention"], stacked["after_mlp"]
+        before = np.concatenate([rows[("embedding", 0)][None], stacked["residual"][:-1]])
+        attention, mlp = stacked["attention"], stacked["mlp"]
         # what each layer's residual gained besides attention and MLP, as it reaches the final norm
-        rest = carried[1:, None] * stacked["after_layer"] - carried[:-1, None] * (before + attention + mlp)
-        heads = np.stack([attributed(readout.head_contributions(i, rows[("attention_heads", i)])[:, 0])
+        rest = carried[1:, None] * stacked["residual"] - carried[:-1, None] * (before + attention + mlp)
+        heads = np.stack([attributed(readout.head_contributions(i, rows[("heads", i)])[:, 0])
                           for i in range(L)])
         return {"embedding": float(carried[0] * attributed(before[0])[0]),
                 "final": float(attributed(final)[0]),
