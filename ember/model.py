@@ -141,7 +141,12 @@ class Model:
         def piece(token_id: int) -> str:
             return self.tokenizer.token_to_piece(token_id, special=True).decode("utf-8", errors="replace")
 
-        return Readout(project, self.config.vocab_size, self.config.hidden_size, piece)
+        forward, config = self._forward, self.config
+        return Readout(project, config.vocab_size, config.hidden_size, piece,
+                       heads=getattr(forward, "head_contributions", None),
+                       difference=getattr(forward, "logit_difference", None),
+                       carried=getattr(forward, "carried", None), layer_count=config.layer_count,
+                       head_count=config.head_count, eps=config.rms_norm_eps)
 
     def __repr__(self) -> str:
         return f"Model({self.source.name!r}, {self.config.architecture}, {self.config.layer_count} layers)"

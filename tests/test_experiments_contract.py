@@ -40,7 +40,8 @@ def test_public_names() -> None:
     assert [m.name for m in TracingState] == ["DISABLED", "ENABLED"]
     assert [m.name for m in TensorDType] == ["F32"]
     assert set(ex.BUILTIN_EXPERIMENTS) == {"activation_stats", "zero_layer_output", "logit_lens",
-                                           "activation_patching", "ablation", "steering"}
+                                           "activation_patching", "ablation", "steering",
+                                           "direct_logit_attribution"}
 
 
 def test_contract_does_not_import_matplotlib() -> None:

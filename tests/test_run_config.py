@@ -105,6 +105,13 @@ def build(*overrides: str, layer_count: int = 30):
     return build_experiments(parsed(*overrides).experiments, BUILTIN_EXPERIMENTS, layer_count)
 
 
+def test_ablation_takes_heads_without_a_layer():
+    (ablation,) = build("experiment=ablation", "experiments.0.heads=[[9,3],[9,1],[2,0]]")
+    assert ablation.heads == {2: (0,), 9: (1, 3)} and ablation.layers == ()
+    with pytest.raises(ConfigError, match="needs `layer`"):
+        build("experiment=ablation")
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
@@ -117,8 +124,9 @@ def build(*overrides: str, layer_count: int = 30):
         (["experiment=zero_layer", "layer=1", "+experiments.0.strength=2"], "has no parameter 'strength'"),
         (["experiments=[{name:zero_layer_output,layer:[1,40]}]"], "layer[1]=40 is out of range"),
         (["experiments=[{name:nope}]"], "unknown experiment 'nope' in experiments[0]; built-in experiments: "
-                                        "ablation, activation_patching, activation_stats, logit_lens, "
-                                        "steering, zero_layer (alias zero_layer_output)"),
+                                        "ablation, activation_patching, activation_stats, "
+                                        "direct_logit_attribution, logit_lens, steering, zero_layer (alias "
+                                        "zero_layer_output)"),
         (["experiments=[{name:zero_layr,layer:1}]"],
          "unknown experiment 'zero_layr' in experiments[0] (did you mean zero_layer?)"),
         (["experiments=[{name:zero_layer,layer:1,tagret:mlp}]"], "has no parameter 'tagret' (did you mean "

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from ember.ops import rms_norm
+from ember.ops import gather_rows, rms_norm
 
 
 def final_norm_and_logits(hidden: np.ndarray, output_norm: np.ndarray, eps: float, rows: Any, hooks: Any,
@@ -59,3 +59,16 @@ def readout_logits(hidden: np.ndarray, output_norm: np.ndarray, eps: float,
         lm_head(normed[:rows - 1], out[:rows - 1])
     lm_head(normed[rows - 1:], out[rows - 1:])
     return out
+
+
+def logit_difference(vectors: np.ndarray, output_norm: np.ndarray, output: Any, answer: int, foil: int,
+                     scale: float | np.ndarray) -> np.ndarray:
+    """Direct logit attribution of residual-shaped rows v [N, H] at a fixed norm scale s:
+    (U[answer] − U[foil]) · (output_norm ⊙ v / s), float64 [N]. `output` is the LM head's matrix U [V, H]
+    (only its two rows are decoded). Linear in v: the rows of a decomposition of the residual add up to
+    the decomposition of its logit difference; for the residual itself with its own scale (√(mean(h²) +
+    eps), what the norm divides by) it is the logit difference before any softcap."""
+    rows = np.empty((2, len(output_norm)), np.float32)
+    gather_rows(output, np.array([answer, foil], np.int64), rows)
+    direction = (rows[0].astype(np.float64) - rows[1]) * output_norm
+    return np.asarray(vectors, dtype=np.float64) @ direction / scale

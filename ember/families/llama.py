@@ -26,8 +26,8 @@ import numpy as np
 from ember import stages
 from ember.config import MetadataReader, ModelConfig, RopeLayout
 from ember.errors import GGUFError
-from ember.families.head import final_norm_and_logits, readout_logits
-from ember.families.inside import checkpoint_order, show_inputs
+from ember.families.head import final_norm_and_logits, logit_difference, readout_logits
+from ember.families.inside import checkpoint_order, head_contributions, show_inputs
 from ember.families.workspace import Workspace
 from ember.gguf_file import GGUFFile
 from ember.kv_cache import KVCache
@@ -278,3 +278,15 @@ class LlamaForward:
         """Final norm + LM head over any residual rows (contract v0.2 readout; reads weights only)."""
         return readout_logits(hidden_rows, self.weights.output_norm, self.config.rms_norm_eps, self.lm_head,
                               out)
+
+    def head_contributions(self, layer: int, heads: np.ndarray) -> np.ndarray:
+        """Each head's share of layer `layer`'s `after_attention` [heads, T, H] from its `attention_heads`
+        rows: its slice through Wo (`ember.families.inside.head_contributions`; readout, reads weights
+        only)."""
+        return head_contributions(heads, self.config.head_count, self.weights.layers[layer].attn_output)
+
+    def logit_difference(self, vectors: np.ndarray, answer: int, foil: int, scale: float | np.ndarray
+                         ) -> np.ndarray:
+        """Direct logit attribution of residual rows at a fixed final-norm scale (readout;
+        `ember.families.head.logit_difference`)."""
+        return logit_difference(vectors, self.weights.output_norm, self.weights.output, answer, foil, scale)
