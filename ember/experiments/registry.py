@@ -6,6 +6,7 @@ from ember.experiments.ablation import Ablation
 from ember.experiments.activation_patching import ActivationPatching
 from ember.experiments.activation_stats import ActivationStats
 from ember.experiments.base import Experiment
+from ember.experiments.expert_usage import ExpertUsage
 from ember.experiments.logit_lens import LogitLens
 from ember.experiments.steering import Steering
 from ember.experiments.zero_layer_output import ZeroLayerOutput
@@ -17,6 +18,7 @@ BUILTIN_EXPERIMENTS: dict[str, type[Experiment]] = {
     "activation_patching": ActivationPatching,
     "ablation": Ablation,
     "steering": Steering,
+    "expert_usage": ExpertUsage,
 }
 
 # Names of the config's experiment/ group (conf/experiment/*.yaml) where they differ from a class's own
