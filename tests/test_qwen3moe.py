@@ -117,6 +117,35 @@ def test_expert_kernels_read_each_expert_s_blocks_as_gguf_py(tmp_path) -> None:
     assert relative_error(model.evaluate(PROMPT)[None], dense.evaluate(PROMPT)[None])[0] <= 1e-5
 
 
+def test_each_chosen_expert_is_multiplied_once_over_the_rows_routed_to_it(tmp_path) -> None:
+    """A prefill multiplies each expert some row chose once, over exactly those rows; a decode step only
+    its k chosen experts, one row each; no other expert is touched."""
+    _, path = _model_and_file(tmp_path, Q8_0)
+    model = ember.load_model(path)
+    calls = []
+
+    class Counting:  # an expert's gate/up weight that notes each product
+        def __init__(self, layer: int, expert: int, inner) -> None:
+            self.layer, self.expert, self.inner, self.shape = layer, expert, inner, inner.shape
+
+        def matmul(self, x, out):
+            calls.append((self.layer, self.expert, x.shape[0]))
+            return self.inner.matmul(x, out)
+
+    for i, layer in enumerate(model._forward.weights.layers):
+        layer.expert_gate_up = [Counting(i, e, m) for e, m in enumerate(layer.expert_gate_up)]
+    recorder = BoundaryRecorder()
+    model.generate(PROMPT, max_new_tokens=4, temperature=0.0, add_bos=False, stop_at_eog=False,
+                   experiments=[recorder])
+    expected = []
+    for evaluation in recorder.evaluations:
+        for layer, logits in enumerate(evaluation.router):
+            experts, rows = np.unique(route(logits, TOP_K)[0], return_counts=True)
+            expected += [(layer, int(e), int(n)) for e, n in zip(experts, rows, strict=True)]
+    assert calls == expected
+    assert [n for _, _, n in calls[-3 * TOP_K:]] == [1] * 3 * TOP_K  # the last decode step: k experts a layer
+
+
 class Ban(Experiment):
     """Sets one expert's router logit to −inf in one layer: no row may choose it."""
 
