@@ -261,3 +261,23 @@ def test_extracting_the_router_stage(tmp_path) -> None:
     dense = ember.load_model(write_gguf(tiny_qwen3(), tmp_path / "dense.gguf"))
     with pytest.raises(ConfigError, match="a qwen3 model has no 'router' stage"):
         extract_hidden_states(dense, prompts, stage="router", progress=False)
+
+
+def test_a_logit_far_above_the_others_forces_an_expert_in_with_nearly_all_the_weight(tmp_path) -> None:
+    _, path = _model_and_file(tmp_path)
+    model = ember.load_model(path)
+
+    class Force(Experiment):
+        name = "force"
+
+        def router(self, ctx, router_logits) -> None:
+            if ctx.layer_index == 0:
+                values = router_logits.values_mut()
+                values[:, 5] = values.max(axis=1) + 50.0
+
+    recorder = BoundaryRecorder()
+    model.generate(PROMPT, max_new_tokens=2, temperature=0.0, add_bos=False, stop_at_eog=False,
+                   experiments=[Force(), recorder])
+    for evaluation in recorder.evaluations:
+        chosen, weights = route(evaluation.router[0], TOP_K)
+        assert (chosen[:, 0] == 5).all() and (weights[:, 0] > 0.999).all()
