@@ -20,9 +20,11 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from ember.phases import ExecutionPhase
+from ember.phases import ExecutionPhase, ModelFamily
 
 BOTH_PHASES = frozenset(ExecutionPhase)
+EVERY_FAMILY = frozenset(ModelFamily)
+MIXTURE_OF_EXPERTS = frozenset({ModelFamily.QWEN3MOE})
 
 
 class Scope(Enum):
@@ -33,10 +35,11 @@ class Scope(Enum):
 @dataclass(frozen=True, slots=True)
 class Stage:
     """One boundary: its name (the hook's), scope, the array's argument name, its rows and columns
-    (`tokens`: one row per evaluated token, `1`: the last token's; `hidden` or `vocab` wide), the phases
-    it fires in (tests/test_stages.py holds the engine to them), and what it is. Every stage is writable
-    through `TensorAccess.values_mut()`. `on_demand`: showing it costs the engine something (a copy, a
-    computation), so the engine forms it only when the hooks listen there (`listened`)."""
+    (`tokens`: one row per evaluated token, `1`: the last token's; `hidden`, `vocab`, `experts` … wide),
+    the phases it fires in and the families whose forward passes have it (tests/test_stages.py holds the
+    engine to them), and what it is. Every stage is writable through `TensorAccess.values_mut()`.
+    `on_demand`: showing it costs the engine something (a copy, a computation, a call), so the engine
+    forms it only when the hooks listen there (`listened`)."""
 
     name: str
     scope: Scope
@@ -46,6 +49,7 @@ class Stage:
     meaning: str
     phases: frozenset[ExecutionPhase] = BOTH_PHASES
     on_demand: bool = False
+    families: frozenset[ModelFamily] = EVERY_FAMILY
 
     @property
     def shape(self) -> str:
@@ -73,6 +77,11 @@ STAGES: tuple[Stage, ...] = (
           "Each head's attention output before the output projection, head h in columns h·head_dim…"),
     Stage("after_attention", Scope.LAYER, "attention_output", "tokens", "hidden",
           "The attention block's contribution to the residual, before it is added"),
+    Stage("router", Scope.LAYER, "router_logits", "tokens", "experts",
+          "A mixture-of-experts layer's router logits (y W_gate_inpᵀ, y the MLP's normed input), expert e "
+          "in column e, before the softmax over the experts and the top-k choice; what it holds when the "
+          "hook returns is what the choice and the weights are made from (−inf bans an expert, a large "
+          "value forces it)", on_demand=True, families=MIXTURE_OF_EXPERTS),
     Stage("after_mlp", Scope.LAYER, "mlp_output", "tokens", "hidden",
           "The MLP block's contribution to the residual, before it is added"),
     Stage("after_layer", Scope.LAYER, "hidden", "tokens", "hidden",
@@ -92,6 +101,11 @@ MODEL_NAMES: tuple[str, ...] = tuple(stage.name for stage in MODEL_STAGES)
 # The model stages called after the last layer's: the LM head's (tracing times them as one span).
 HEAD_STAGES: tuple[Stage, ...] = tuple(
     stage for stage in MODEL_STAGES if STAGES.index(stage) > STAGES.index(LAYER_STAGES[-1]))
+
+
+def layer_names(family: ModelFamily) -> tuple[str, ...]:
+    """The names of the layer stages `family`'s forward pass has, in call order."""
+    return tuple(stage.name for stage in LAYER_STAGES if family in stage.families)
 
 
 ON_DEMAND: frozenset[str] = frozenset(stage.name for stage in STAGES if stage.on_demand)

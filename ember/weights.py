@@ -106,13 +106,7 @@ class WeightStore:
             values = self.gguf.dequantize(name)
             values.flags.writeable = False
             return values
-        if info.ggml_type not in kernel_types():
-            supported = ", ".join(sorted(t.name for t in kernel_types().values()))
-            raise GGUFError(
-                f"{self.gguf.path}: tensor {name!r} has block type {info.ggml_type.name}, which ember's "
-                f"kernels do not multiply (they do {supported}); load with weights='float32' to "
-                "dequantize it instead"
-            )
+        self._check_kernel_type(name, info)
         if info.ggml_type == GGMLQuantizationType.F32:
             return self.gguf.raw(name)  # a float32 view of the file: BLAS multiplies it as it is
         from ember.quant.matrix import QuantizedMatrix
@@ -120,6 +114,41 @@ class WeightStore:
         raw = self.gguf.raw(name)  # F16 comes as float16, BF16 as uint16: the kernels read bytes
         return QuantizedMatrix(name, raw.view(np.uint8).reshape(info.shape[0], -1), int(info.ggml_type),
                                info.shape)
+
+    def experts(self, name: str) -> list[Any]:
+        """A 3-D tensor of experts stacked along its first axis ([experts, out, in], GGUF ne [in, out,
+        experts]) as one 2-D weight per expert, each what `matrix` would give for that slice: in
+        quantized mode a view of the expert's own blocks in the mapped file (nothing is copied, and an
+        expert nobody routes to is never read); in float32 mode the tensor dequantized once, sliced."""
+        info = self.gguf.tensor(name)
+        if len(info.shape) != 3:
+            raise GGUFError(f"{self.gguf.path}: tensor {name!r} has shape {info.shape}, expected "
+                            "[experts, rows, columns]")
+        count, rows, columns = info.shape
+        if self.mode == FLOAT32:
+            self.full_dequantizations[name] += 1
+            values = self.gguf.dequantize(name)
+            values.flags.writeable = False
+            return list(values)
+        self._check_kernel_type(name, info)
+        raw = self.gguf.raw(name)
+        if info.ggml_type == GGMLQuantizationType.F32:
+            return list(raw)
+        from ember.quant.matrix import QuantizedMatrix
+
+        blocks = raw.view(np.uint8).reshape(count, rows, -1)  # F16 comes as float16, BF16 as uint16
+        return [QuantizedMatrix(f"{name}[{e}]", blocks[e], int(info.ggml_type), (rows, columns))
+                for e in range(count)]
+
+    def stack(self, parts: Sequence[Any]) -> Any:
+        """Weights already in hand (`matrix`, `experts` slices) stacked along their rows, as `stacked`."""
+        if self.mode == FLOAT32:
+            stacked = np.concatenate(parts) if len(parts) > 1 else parts[0]
+            stacked.flags.writeable = False
+            return stacked
+        from ember.quant.matrix import StackedMatrix
+
+        return parts[0] if len(parts) == 1 else StackedMatrix(parts)
 
     def stacked(self, names: Sequence[str]) -> Any:
         """Several matrices stacked along their rows (fused Q/K/V, gate/up), as one weight.
@@ -132,14 +161,16 @@ class WeightStore:
         if len({info.shape[1:] for info in infos}) != 1:
             shapes = ", ".join(f"{i.name} {i.shape}" for i in infos)
             raise GGUFError(f"{self.gguf.path}: cannot stack tensors of shapes {shapes}")
-        parts = [self.matrix(n) for n in names]
-        if self.mode == FLOAT32:
-            stacked = np.concatenate(parts) if len(parts) > 1 else parts[0]
-            stacked.flags.writeable = False
-            return stacked
-        from ember.quant.matrix import StackedMatrix
+        return self.stack([self.matrix(n) for n in names])
 
-        return parts[0] if len(parts) == 1 else StackedMatrix(parts)
+    def _check_kernel_type(self, name: str, info: Any) -> None:
+        if info.ggml_type not in kernel_types():
+            supported = ", ".join(sorted(t.name for t in kernel_types().values()))
+            raise GGUFError(
+                f"{self.gguf.path}: tensor {name!r} has block type {info.ggml_type.name}, which ember's "
+                f"kernels do not multiply (they do {supported}); load with weights='float32' to "
+                "dequantize it instead"
+            )
 
     def table(self, name: str) -> Any:
         """An embedding table whose rows are read on demand: `gather_rows(table, ids, out)`."""

@@ -8,7 +8,7 @@ within REAL_BOUNDARY_TOLERANCE: see there why), on every family:
 
 * SmolLM2-135M (llama) and Gemma 3 270M, the real files;
 * a tiny Gemma 3 whose sliding window (4) is shorter than the sequences, so the batch path masks it;
-* a tiny Qwen3 (QK-norm, head dim ≠ hidden / heads);
+* a tiny Qwen3 (QK-norm, head dim ≠ hidden / heads), and a tiny Qwen3 mixture of experts (8, top-2);
 * a tiny Gemma 4 with sliding and full layers, KV-shared layers and per-layer embeddings (PLE).
 
 The tiny Gemma 3 and Qwen3 are made by transformers (skipped without torch); the tiny Gemma 4 is written
@@ -48,7 +48,8 @@ LONG = 2  # the index of the 12-token sequence, the one saved and reused
 
 # every test here takes under 20 s (measured on a busy 2-core machine: 8 s at most): none is slow
 FAMILIES = ["smollm2", "gemma3-270m",
-            *(pytest.param(name, marks=pytest.mark.reference) for name in ("gemma3-tiny", "qwen3-tiny")),
+            *(pytest.param(name, marks=pytest.mark.reference)
+              for name in ("gemma3-tiny", "qwen3-tiny", "qwen3moe-tiny")),
             "gemma4-tiny"]
 PAST_LAYER_0 = [*FAMILIES, "gemma4-tiny-nople"]
 
@@ -71,6 +72,15 @@ def _tiny_qwen3(folder: Any) -> Any:
     from reference.tiny_models import tiny_qwen3
 
     return ember.load_model(write_gguf(tiny_qwen3(), folder / "qwen3.gguf"), context_length=64)
+
+
+def _tiny_qwen3moe(folder: Any) -> Any:
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from reference.gguf_writer import write_gguf
+    from reference.tiny_models import tiny_qwen3moe
+
+    return ember.load_model(write_gguf(tiny_qwen3moe(), folder / "qwen3moe.gguf"), context_length=64)
 
 
 def _tiny_gemma4(folder: Any, per_layer_input: int) -> Any:
@@ -99,6 +109,8 @@ def load(name: str, built: dict[str, Any], request: pytest.FixtureRequest,
             built[name] = _tiny_gemma3(folder)
         elif name == "qwen3-tiny":
             built[name] = _tiny_qwen3(folder)
+        elif name == "qwen3moe-tiny":
+            built[name] = _tiny_qwen3moe(folder)
         else:
             built[name] = _tiny_gemma4(folder, 0 if name.endswith("nople") else 32)
     return built[name]

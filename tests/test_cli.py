@@ -13,7 +13,7 @@ from run_support import prepared_store
 import ember.model
 import ember.sources
 from ember import cli
-from ember.stages import LAYER_NAMES
+from ember.stages import layer_names
 
 DATA = Path(__file__).parent / "data"
 
@@ -191,7 +191,8 @@ def test_generate_dumps_layers_and_logits(fixture_model, tmp_path: Path) -> None
     index = json.loads((folder / "index.json").read_text())
     assert index["evaluations"] == 2
     with np.load(folder / "layers.npz") as layers:
-        assert len(layers.files) == 2 * (len(LAYER_NAMES) * fixture_model.config.layer_count + 1)
+        config = fixture_model.config
+        assert len(layers.files) == 2 * (len(layer_names(config.family)) * config.layer_count + 1)
     client, runs = _runs(tmp_path)
     assert {f.path for f in client.list_artifacts(runs[0].info.run_id, "dump")} == {
         "dump/index.json", "dump/layers.npz", "dump/logits.npz"}

@@ -35,13 +35,13 @@ def test_public_names() -> None:
         "Readout", "StudyItem", "Evaluation", "ItemResult",  # v0.2
     ]:
         assert hasattr(ex, name), name
-    assert [m.name for m in ModelFamily] == ["LLAMA", "QWEN3", "GEMMA3", "GEMMA4"]
+    assert [m.name for m in ModelFamily] == ["LLAMA", "QWEN3", "GEMMA3", "GEMMA4", "QWEN3MOE"]
     assert [m.name for m in ExecutionPhase] == ["PREFILL", "DECODE"]
     assert [m.name for m in TracingState] == ["DISABLED", "ENABLED"]
     assert [m.name for m in TensorDType] == ["F32"]
     assert set(ex.BUILTIN_EXPERIMENTS) == {"activation_stats", "zero_layer_output", "logit_lens",
                                            "activation_patching", "ablation", "steering",
-                                           "direct_logit_attribution"}
+                                           "direct_logit_attribution", "expert_usage"}
 
 
 def test_contract_does_not_import_matplotlib() -> None:
@@ -63,7 +63,8 @@ def test_contexts_are_frozen_slotted_dataclasses(cls: type) -> None:
 def test_context_fields_and_immutability() -> None:
     # v0.1's fields, then v0.2's readout (a default, left out of equality)
     assert [f.name for f in dataclasses.fields(ModelContext)] == [
-        "family", "model_id", "architecture", "layer_count", "hidden_size", "readout"]
+        "family", "model_id", "architecture", "layer_count", "hidden_size", "readout", "expert_count",
+        "experts_per_token"]
     assert ModelContext.from_config(MODEL, "x").readout is None
     assert dataclasses.replace(MODEL, readout=object()) == MODEL
     # v0.1's fields, then v0.3's batch layout (None for one sequence)

@@ -23,7 +23,8 @@ from ember.experiments import (
     ZeroLayerOutput,
 )
 from ember.experiments.adapters import ActiveHooks
-from ember.stages import LAYER_NAMES
+from ember.phases import ModelFamily
+from ember.stages import layer_names
 
 PROMPT = "The capital of France is"
 LAYER_HOOKS = ("before_layer", "after_attention", "after_mlp", "after_layer")
@@ -180,7 +181,8 @@ def test_observation_is_bit_identical(model: Any, prompt_ids: list[int], monkeyp
     for a, b in zip(plain_logits, capture.logits(), strict=True):
         assert a.tobytes() == b.tobytes()
     rows = stats.rows()
-    assert len(rows) == 2 * (len(LAYER_NAMES) * 30 + 2) and all(row["nonfinite"] == 0 for row in rows)
+    assert len(rows) == 2 * (len(layer_names(ModelFamily.LLAMA)) * 30 + 2)
+    assert all(row["nonfinite"] == 0 for row in rows)
 
 
 def test_recorded_boundaries_are_the_residual_arithmetic(model: Any, prompt_ids: list[int]) -> None:

@@ -25,7 +25,7 @@ from ember.experiments import (
 )
 from ember.experiments.adapters import DISABLED_HOOKS
 from ember.experiments.context import ModelFamily
-from ember.stages import LAYER_NAMES
+from ember.stages import layer_names
 
 Capture, Recorder, expected_log = engine_tests.Capture, engine_tests.Recorder, engine_tests.expected_log
 
@@ -78,7 +78,8 @@ def test_observation_changes_nothing_gemma3(model: Any, prompt_ids: list[int]) -
                               experiments=[stats, capture])
     assert observed.token_ids == plain.token_ids
     rows = stats.rows()
-    assert len(rows) == 2 * (len(LAYER_NAMES) * LAYERS + 2) and all(row["nonfinite"] == 0 for row in rows)
+    assert len(rows) == 2 * (len(layer_names(ModelFamily.GEMMA3)) * LAYERS + 2)
+    assert all(row["nonfinite"] == 0 for row in rows)
 
 
 def test_layer_out_of_range_gemma3(model: Any, prompt_ids: list[int]) -> None:

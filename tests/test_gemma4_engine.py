@@ -33,7 +33,7 @@ from ember.experiments.context import ExecutionPhase
 from ember.families import gemma4
 from ember.gguf_file import GGUFFile
 from ember.ops import apply_rope
-from ember.stages import LAYER_NAMES
+from ember.stages import layer_names
 
 VOCAB = len(tiny_gemma4_vocab().tokens)
 PROMPT = [2, 280, 281, 282, 283, 290, 291, 292, 293, 294]  # longer than the window (6)
@@ -447,5 +447,5 @@ def test_observation_is_bit_identical(tiny, monkeypatch) -> None:
     observed = run([stats, Recording()])
     assert observed == plain and len(plain[1]) == 5
     rows = stats.rows()
-    assert len(rows) == 2 * (len(LAYER_NAMES) * spec.num_hidden_layers + 2)
+    assert len(rows) == 2 * (len(layer_names(ModelFamily.GEMMA4)) * spec.num_hidden_layers + 2)
     assert all(r["nonfinite"] == 0 for r in rows)

@@ -23,7 +23,7 @@ from ember.inspection import (
 from ember.inspection.extraction import StatePooler
 from ember.inspection.probes import log_probe_report, stratified_folds
 from ember.rows import BatchEntry
-from ember.stages import BY_NAME, LAYER_NAMES
+from ember.stages import BY_NAME, layer_names
 
 DATA = Path(__file__).parent / "data"
 PROMPT = "The capital of France is"
@@ -71,7 +71,7 @@ def test_layer_and_logits_dump_equal_an_observation_experiment_exactly(smollm2, 
     assert index["evaluations"] == evaluations
     # every layer stage plus before_logits, and after_logits, for every evaluation; the observer copies
     # the residual-wide ones (the stages inside attention: tests/test_attention_stages.py)
-    assert len(index["arrays"]) == evaluations * (len(LAYER_NAMES) * layer_count + 2)
+    assert len(index["arrays"]) == evaluations * (len(layer_names(smollm2.config.family)) * layer_count + 2)
     assert len(observer.seen) == evaluations * (4 * layer_count + 2)
     prompt_length = len(reference.prompt_token_ids)
     for entry in index["arrays"]:

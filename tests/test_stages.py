@@ -19,7 +19,7 @@ from ember.experiments.base import ALL_HOOKS
 from ember.inspection import STAGES as RECORDER_STAGES
 from ember.inspection import BoundaryRecorder
 from ember.inspection.dumps import LAYER_FILE_STAGES, LOGITS_FILE_STAGES
-from ember.phases import ExecutionPhase
+from ember.phases import ExecutionPhase, ModelFamily
 from ember.stages import BY_NAME, HEAD_STAGES, LAYER_NAMES, LAYER_STAGES, MODEL_STAGES, NAMES, STAGES, Scope
 from ember.tracing import TracingHooks
 
@@ -39,9 +39,10 @@ def test_the_table_is_well_formed() -> None:
     for stage in STAGES:
         assert stage.name.isidentifier() and stage.argument.isidentifier(), stage
         assert stage.rows in ("tokens", "1", "heads × tokens"), stage
-        widths = ("hidden", "vocab", "heads × head_dim", "kv_heads × head_dim", "positions")
+        widths = ("hidden", "vocab", "heads × head_dim", "kv_heads × head_dim", "positions", "experts")
         assert stage.width in widths, stage
         assert stage.phases and stage.phases <= set(ExecutionPhase), stage
+        assert stage.families and stage.families <= set(ModelFamily), stage
         assert stage.meaning and not stage.meaning.endswith("."), stage
     assert ALL_HOOKS[2:-1] == NAMES
 
@@ -209,8 +210,9 @@ def test_a_new_stage_is_one_table_entry_and_the_family_s_call() -> None:
 
 
 def test_the_engine_fires_every_stage_where_the_table_says(smollm2) -> None:
-    """A real generation: each stage fires in its phases, once per layer (layer stages) or once per
-    evaluation (model stages), in the table's order, with the table's rows and width."""
+    """A real generation: each stage of the family fires in its phases, once per layer (layer stages)
+    or once per evaluation (model stages), in the table's order, with the table's rows and width.
+    (The mixture-of-experts family's `router`: tests/test_qwen3moe.py.)"""
     config = smollm2.config
     recorder = BoundaryRecorder()
     generation = smollm2.generate("The capital of France is", max_new_tokens=3, observer=recorder)
@@ -223,7 +225,8 @@ def test_the_engine_fires_every_stage_where_the_table_says(smollm2) -> None:
     for evaluation in range(1 + generation.timings.decode_evaluations):
         records = [r for r in recorder.records if r.evaluation == evaluation]
         phase = records[0].phase
-        expected = [(name, layer) for name, layer in order if phase in BY_NAME[name].phases]
+        expected = [(name, layer) for name, layer in order
+                    if phase in BY_NAME[name].phases and config.family in BY_NAME[name].families]
         assert [(r.stage, r.layer) for r in records] == expected
         for record in records:
             stage = BY_NAME[record.stage]
@@ -233,4 +236,6 @@ def test_the_engine_fires_every_stage_where_the_table_says(smollm2) -> None:
             assert record.array.shape == (rows[stage.rows], columns), (record.stage, record.array.shape)
             assert record.array.dtype == np.float32
     assert {r.phase for r in recorder.records} == set(ExecutionPhase)
-    assert set(LAYER_NAMES) <= {r.stage for r in recorder.records}
+    family_stages = {s.name for s in LAYER_STAGES if config.family in s.families}
+    assert family_stages <= {r.stage for r in recorder.records}
+    assert "router" in set(LAYER_NAMES) - family_stages  # a llama has no router

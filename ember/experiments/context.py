@@ -38,6 +38,9 @@ class ModelContext:
     # v0.2: the model's final norm and unembedding as a read-only function (ember.experiments.readout);
     # None where the engine offers none (a context built by hand).
     readout: Any = field(default=None, compare=False, repr=False)
+    # a mixture of experts (the `router` stage): how many experts each layer has, how many a token takes
+    expert_count: int = 0
+    experts_per_token: int = 0
 
     @classmethod
     def from_config(cls, config: Any, model_id: str | None = None, readout: Any = None) -> ModelContext:
@@ -49,6 +52,8 @@ class ModelContext:
             layer_count=int(config.layer_count),
             hidden_size=int(config.hidden_size),
             readout=readout,
+            expert_count=int(getattr(config, "expert_count", 0)),
+            experts_per_token=int(getattr(config, "expert_used_count", 0)),
         )
 
 

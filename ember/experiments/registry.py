@@ -7,6 +7,7 @@ from ember.experiments.activation_patching import ActivationPatching
 from ember.experiments.activation_stats import ActivationStats
 from ember.experiments.base import Experiment
 from ember.experiments.direct_logit_attribution import DirectLogitAttribution
+from ember.experiments.expert_usage import ExpertUsage
 from ember.experiments.logit_lens import LogitLens
 from ember.experiments.steering import Steering
 from ember.experiments.zero_layer_output import ZeroLayerOutput
@@ -19,6 +20,7 @@ BUILTIN_EXPERIMENTS: dict[str, type[Experiment]] = {
     "ablation": Ablation,
     "steering": Steering,
     "direct_logit_attribution": DirectLogitAttribution,
+    "expert_usage": ExpertUsage,
 }
 
 # Names of the config's experiment/ group (conf/experiment/*.yaml) where they differ from a class's own

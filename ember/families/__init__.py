@@ -8,7 +8,7 @@ from typing import Any
 
 from ember.config import ModelConfig
 from ember.errors import UnsupportedArchitectureError
-from ember.families import gemma3, gemma4, llama
+from ember.families import gemma3, gemma4, llama, qwen3moe
 from ember.gguf_file import GGUFFile
 from ember.weights import WeightStore
 
@@ -27,6 +27,7 @@ def _llama_forward(config: ModelConfig, store: WeightStore, context_length: int)
 FAMILIES: dict[str, Family] = {
     "llama": Family(llama.build_config, _llama_forward, llama.cache_specs),
     "qwen3": Family(llama.build_config, _llama_forward, llama.cache_specs),
+    "qwen3moe": Family(qwen3moe.build_config, qwen3moe.build_forward, qwen3moe.cache_specs),
     "gemma3": Family(gemma3.build_config, gemma3.build_forward, gemma3.cache_specs),
     "gemma4": Family(gemma4.build_config, gemma4.build_forward, gemma4.cache_specs),
 }

@@ -36,7 +36,10 @@ from ember.phases import ExecutionPhase, ModelFamily
 from ember.rows import Rows, SequenceRows
 from ember.weights import WeightStore
 
-FAMILY_OF_ARCHITECTURE = {"llama": ModelFamily.LLAMA, "qwen3": ModelFamily.QWEN3}
+# qwen3moe's attention is Qwen3's: its config starts as theirs (ember.families.qwen3moe)
+FAMILY_OF_ARCHITECTURE = {"llama": ModelFamily.LLAMA, "qwen3": ModelFamily.QWEN3,
+                          "qwen3moe": ModelFamily.QWEN3MOE}
+QK_NORM = ("qwen3", "qwen3moe")
 
 
 def build_config(gguf: GGUFFile) -> ModelConfig:
@@ -72,7 +75,8 @@ def build_config(gguf: GGUFFile) -> ModelConfig:
         head_count=head_count,
         head_count_kv=meta.int("attention.head_count_kv", head_count),
         head_dim=head_dim,
-        feed_forward_length=meta.int("feed_forward_length"),
+        # a mixture of experts (qwen3moe) has no dense FFN, and its file may not say one's width
+        feed_forward_length=meta.int("feed_forward_length", 0 if architecture == "qwen3moe" else None),
         vocab_size=vocab_size,
         context_length=meta.int("context_length"),
         rms_norm_eps=meta.float("attention.layer_norm_rms_epsilon"),
@@ -80,7 +84,7 @@ def build_config(gguf: GGUFFile) -> ModelConfig:
         rope_dim=rope_dim,
         rope_layout=RopeLayout.NORM if architecture == "llama" else RopeLayout.NEOX,
         rope_linear_factor=linear_factor,
-        has_qk_norm=architecture == "qwen3",
+        has_qk_norm=architecture in QK_NORM,
         tied_embeddings="output.weight" not in gguf.tensors,
     )
 

@@ -25,7 +25,7 @@ from ember.experiments.context import BatchLayout, ExecutionPhase
 from ember.inspection.recorder import POOLS, batch_layout, pool_rows
 from ember.progress import Progress
 from ember.rows import BatchEntry
-from ember.stages import LAYER_NAMES, Scope, Stage, define_stage_methods
+from ember.stages import BY_NAME, LAYER_NAMES, Scope, Stage, define_stage_methods, layer_names
 from ember.tracing import TracingHooks
 
 
@@ -143,6 +143,14 @@ def _pools(stage: Stage) -> Callable[..., None]:
 define_stage_methods(StatePooler, _pools)
 
 
+def stage_width(stage: Stage, config: Any) -> int:
+    """The columns of a layer stage's rows in a model of `config` (a pattern's vary: the hidden size)."""
+    widths = {"heads × head_dim": config.head_count * config.head_dim,
+              "kv_heads × head_dim": config.head_count_kv * config.head_dim,
+              "experts": getattr(config, "expert_count", 0)}
+    return widths.get(stage.width, config.hidden_size)
+
+
 def extract_hidden_states(model: Any, prompts: Sequence[str], *, layers: str | Sequence[int] | None = None,
                           stage: str = "after_layer", pool: str = "last", add_bos: bool | None = None,
                           progress: bool = True, tracer: Any = None) -> tuple[np.ndarray, list[int]]:
@@ -151,6 +159,10 @@ def extract_hidden_states(model: Any, prompts: Sequence[str], *, layers: str | S
     gets one prefill span per batch (and layer spans when it asks for them)."""
     if stage not in LAYER_NAMES:
         raise ConfigError(f"stage must be one of {', '.join(LAYER_NAMES)}, got {stage!r}")
+    config = model.config
+    if stage not in layer_names(config.family):
+        raise ConfigError(f"a {config.family.value} model has no {stage!r} stage (its layer stages: "
+                          f"{', '.join(layer_names(config.family))})")
     if pool not in POOLS:
         raise ConfigError(f"pool must be one of {', '.join(POOLS)}, got {pool!r}")
     chosen = resolve_layers(layers, model.config.layer_count)
@@ -159,7 +171,7 @@ def extract_hidden_states(model: Any, prompts: Sequence[str], *, layers: str | S
         ids = model.tokenize(prompt, add_bos)
         model.check_fits(len(ids), 0)
         entries.append(BatchEntry(np.asarray(ids, np.int64)))
-    states = np.zeros((len(prompts), len(chosen), model.config.hidden_size), np.float32)
+    states = np.zeros((len(prompts), len(chosen), stage_width(BY_NAME[stage], config)), np.float32)
     pooler = StatePooler(states, stage, chosen, pool)
     observer = TracingHooks(pooler, tracer) if tracer is not None and tracer.layers else pooler
     with Progress("extracting hidden states", total=len(prompts), enabled=progress) as advance:

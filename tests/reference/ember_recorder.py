@@ -43,6 +43,9 @@ class BoundaryRecorder(Experiment):
     def after_attention(self, ctx: LayerContext, attention_output: TensorAccess) -> None:
         self._layer(ctx, "after_attention", attention_output)
 
+    def router(self, ctx: LayerContext, router_logits: TensorAccess) -> None:  # mixtures of experts only
+        self._layer(ctx, "router", router_logits)
+
     def after_mlp(self, ctx: LayerContext, mlp_output: TensorAccess) -> None:
         self._layer(ctx, "after_mlp", mlp_output)
 

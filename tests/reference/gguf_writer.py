@@ -1,4 +1,5 @@
-"""Write a tiny HF `LlamaForCausalLM` / `Qwen3ForCausalLM` as GGUF the way llama.cpp's converter does.
+"""Write a tiny HF `LlamaForCausalLM` / `Qwen3ForCausalLM` / `Qwen3MoeForCausalLM` as GGUF the way
+llama.cpp's converter does.
 
 Facts mirrored from llama.cpp's `convert_hf_to_gguf.py` (the copy vendored in llama-cpp-python 0.3.36,
 `conversion/base.py`, `conversion/llama.py`, `conversion/qwen.py`); see also docs/families.md §1–§2:
@@ -6,6 +7,10 @@ Facts mirrored from llama.cpp's `convert_hf_to_gguf.py` (the copy vendored in ll
 * tensor names: `token_embd`, `output_norm`, `output` (only when the head is not tied), and per block
   `attn_norm`, `attn_q`, `attn_k`, `attn_v`, `attn_output`, `attn_q_norm`/`attn_k_norm` (qwen3),
   `ffn_norm`, `ffn_gate`, `ffn_up`, `ffn_down`;
+* qwen3moe (`conversion/qwen.py` Qwen2MoeModel/Qwen3MoeModel): the router `mlp.gate` is
+  `ffn_gate_inp` (always F32), HF's stacked `mlp.experts.gate_up_proj` [E, 2F, H] is split into
+  `ffn_gate_exps` (first F rows of each expert) and `ffn_up_exps`, `mlp.experts.down_proj` [E, H, F] is
+  `ffn_down_exps`; metadata adds `expert_count`, `expert_used_count`, `expert_feed_forward_length`;
 * numpy arrays keep PyTorch's (out, in) order; GGUFWriter stores the reversed ne = [in, out];
 * arch `llama` reorders the rows of q_proj (with n_head) and k_proj (with n_head_kv) so that NORM rope
   on the stored weights equals HF's NEOX rope; arch `qwen3` stores HF weights unchanged;
@@ -42,6 +47,7 @@ __all__ = [
     "llama3_rope_factors",
     "load_gguf_weights_into_hf",
     "permute_rows",
+    "rewrite_gguf",
     "tiny_vocab",
     "unpermute_rows",
     "write_gguf",
@@ -109,11 +115,26 @@ def tiny_vocab() -> TinyVocab:
 # --------------------------------------------------------------------------- tensors
 
 
+ARCHITECTURES = {"llama": "llama", "qwen3": "qwen3", "qwen3_moe": "qwen3moe"}  # HF model_type → GGUF
+
+
 def gguf_arch(model: torch.nn.Module) -> str:
     model_type = model.config.model_type
-    if model_type not in ("llama", "qwen3"):
-        raise ValueError(f"only llama and qwen3 HF models are supported, not {model_type!r}")
-    return model_type
+    if model_type not in ARCHITECTURES:
+        raise ValueError(f"only llama, qwen3 and qwen3_moe HF models are supported, not {model_type!r}")
+    return ARCHITECTURES[model_type]
+
+
+GATE_UP_EXPERTS, DOWN_EXPERTS = "mlp.experts.gate_up_proj", "mlp.experts.down_proj"
+
+
+def _expert_names(arch: str, layers: int, hf_name: str) -> tuple[str, ...]:
+    """The GGUF names of an HF stacked-experts tensor: (gate, up) for gate_up_proj, (down,)."""
+    base = hf_name.removesuffix("gate_up_proj").removesuffix("down_proj")
+    if hf_name.endswith(GATE_UP_EXPERTS):
+        return (gguf_tensor_name(arch, layers, base + "gate_proj.weight"),
+                gguf_tensor_name(arch, layers, base + "up_proj.weight"))
+    return (gguf_tensor_name(arch, layers, base + "down_proj.weight"),)
 
 
 def _qk_row_order(rows: int, n_head: int) -> np.ndarray:
@@ -191,6 +212,15 @@ def gguf_tensors(model: torch.nn.Module, *, permute_qk: bool = True) -> Iterator
         if hf_name.endswith("rotary_emb.inv_freq") or (tied and hf_name == "lm_head.weight"):
             continue
         data = tensor.detach().to(torch.float32).cpu().numpy()
+        if hf_name.endswith(GATE_UP_EXPERTS):  # [E, 2F, H]: each expert's gate rows, then its up rows
+            gate, up = _expert_names(arch, config.num_hidden_layers, hf_name)
+            half = data.shape[1] // 2
+            yield gate, np.ascontiguousarray(data[:, :half])
+            yield up, np.ascontiguousarray(data[:, half:])
+            continue
+        if hf_name.endswith(DOWN_EXPERTS):
+            yield _expert_names(arch, config.num_hidden_layers, hf_name)[0], np.ascontiguousarray(data)
+            continue
         if arch == "llama" and permute_qk and hf_name.endswith("self_attn.q_proj.weight"):
             data = permute_rows(data, config.num_attention_heads)
         elif arch == "llama" and permute_qk and hf_name.endswith("self_attn.k_proj.weight"):
@@ -199,7 +229,7 @@ def gguf_tensors(model: torch.nn.Module, *, permute_qk: bool = True) -> Iterator
 
 
 def _tensor_type(name: str, data: np.ndarray, qtype: GGMLQuantizationType) -> GGMLQuantizationType:
-    if data.ndim <= 1 or name.endswith("_norm.weight"):
+    if data.ndim <= 1 or name.endswith(("_norm.weight", "ffn_gate_inp.weight")):  # the router stays F32
         return GGMLQuantizationType.F32
     if qtype in gguf.GGML_QUANT_SIZES and qtype not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
         block = gguf.GGML_QUANT_SIZES[qtype][0]
@@ -221,6 +251,10 @@ def _write_metadata(writer: gguf.GGUFWriter, model: torch.nn.Module, qtype: GGML
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_feed_forward_length(config.intermediate_size)
+    if arch == "qwen3moe":
+        writer.add_expert_count(config.num_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
     params = _rope_parameters(config)
@@ -233,7 +267,7 @@ def _write_metadata(writer: gguf.GGUFWriter, model: torch.nn.Module, qtype: GGML
         writer.add_rope_freq_base(float(params["rope_theta"]))
     writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
     head_dim = _head_dim(config)
-    if arch == "qwen3" or head_dim != config.hidden_size // config.num_attention_heads:
+    if arch in ("qwen3", "qwen3moe") or head_dim != config.hidden_size // config.num_attention_heads:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     writer.add_file_type(int(_FILE_TYPES[qtype]))
@@ -298,8 +332,15 @@ def load_gguf_weights_into_hf(model: torch.nn.Module, path: str | Path) -> list[
     config = model.config
     reader = gguf.GGUFReader(path)
     state = model.state_dict()
-    hf_names = {gguf_tensor_name(arch, config.num_hidden_layers, name): name
-                for name in state if not name.endswith("inv_freq")}
+    hf_names = {}
+    for name in state:
+        if name.endswith(GATE_UP_EXPERTS):
+            gate, up = _expert_names(arch, config.num_hidden_layers, name)
+            hf_names[gate], hf_names[up] = (name, 0), (name, 1)  # the halves of gate_up_proj's rows
+        elif name.endswith(DOWN_EXPERTS):
+            hf_names[_expert_names(arch, config.num_hidden_layers, name)[0]] = name
+        elif not name.endswith("inv_freq"):
+            hf_names[gguf_tensor_name(arch, config.num_hidden_layers, name)] = name
     covered = set()
     loaded = []
     with torch.no_grad():
@@ -308,6 +349,13 @@ def load_gguf_weights_into_hf(model: torch.nn.Module, path: str | Path) -> list[
                 continue
             data = gguf.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
             hf_name = hf_names[tensor.name]
+            if isinstance(hf_name, tuple):  # one half of a stacked gate_up_proj
+                hf_name, half = hf_name
+                rows = state[hf_name].shape[1] // 2
+                state[hf_name][:, half * rows:(half + 1) * rows].copy_(torch.from_numpy(data))
+                covered.add(hf_name)
+                loaded.append(tensor.name)
+                continue
             if arch == "llama" and hf_name.endswith("self_attn.q_proj.weight"):
                 data = unpermute_rows(data, config.num_attention_heads)
             elif arch == "llama" and hf_name.endswith("self_attn.k_proj.weight"):
@@ -325,3 +373,40 @@ def load_gguf_weights_into_hf(model: torch.nn.Module, path: str | Path) -> list[
     if missing:
         raise ValueError(f"GGUF {path} does not cover HF parameters {missing}")
     return loaded
+
+
+# --------------------------------------------------------------------------- damaged copies
+
+
+def rewrite_gguf(path: str | Path, out: str | Path, *, drop_key: str | None = None,
+                 drop_tensor: str | None = None, replace: dict | None = None, extra: dict | None = None,
+                 reshape: dict[str, tuple[int, ...]] | None = None) -> Path:
+    """Copy a GGUF file with a metadata key or tensor removed, metadata values replaced or added (uint32),
+    or F32 tensors given another NumPy shape (`reshape`: the first values of the tensor, recycled)."""
+    reader = gguf.GGUFReader(path)
+    architecture = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(out, architecture)
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name in ("general.architecture", drop_key):
+            continue
+        value = (replace or {}).get(field.name, field.contents())
+        kind = field.types[0]
+        sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, value, kind, sub_type=sub)
+    for key, value in (extra or {}).items():
+        writer.add_uint32(key, value)
+    for tensor in reader.tensors:
+        if tensor.name == drop_tensor:
+            continue
+        if tensor.name in (reshape or {}):
+            shape = reshape[tensor.name]
+            data = np.resize(np.array(tensor.data, np.float32).ravel(), shape)
+            writer.add_tensor(tensor.name, data, raw_dtype=GGMLQuantizationType.F32)
+            continue
+        shape = tuple(reversed(tensor.shape.tolist()))
+        writer.add_tensor(tensor.name, np.array(tensor.data), raw_shape=shape, raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(out)

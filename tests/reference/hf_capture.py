@@ -2,7 +2,8 @@
 
 Per evaluation (the prompt as one batch, then one token at a time against HF's KV cache) and per layer:
 the residual entering the layer, the `self_attn` output (O-projection, before the residual add), the
-`mlp` output (before the residual add) and the layer output; then the final-norm hidden state and the
+`mlp` output (before the residual add) and the layer output (a mixture of experts also its router's
+logits and chosen experts); then the final-norm hidden state and the
 logits, all for every row of the evaluation. Hooks are used rather than `output_hidden_states`, whose
 last entry is the final-norm state, not the last layer's output (docs/families.md §0.5).
 """
@@ -31,6 +32,8 @@ class Evaluation:
     after_attention: list[np.ndarray] = field(default_factory=list)  # per layer, [T, H]
     after_mlp: list[np.ndarray] = field(default_factory=list)        # per layer, [T, H]
     after_layer: list[np.ndarray] = field(default_factory=list)      # per layer, [T, H]
+    router: list[np.ndarray] = field(default_factory=list)           # per MoE layer, [T, experts]
+    chosen: list[np.ndarray] = field(default_factory=list)           # per MoE layer, [T, k] expert ids
     final_norm: np.ndarray | None = None                             # [T, H]
     logits: np.ndarray | None = None                                 # [T, V]
 
@@ -67,6 +70,11 @@ def capture(model: torch.nn.Module, prompt_ids: list[int], decode_ids: list[int]
             getattr(current[-1], boundary).append(_rows(_first(output)))
         return hook
 
+    def on_router(module, args, output):  # a mixture's router: (logits, top-k weights, top-k experts)
+        logits, _, chosen = output
+        current[-1].router.append(logits.detach().to(torch.float32).cpu().numpy().copy())
+        current[-1].chosen.append(chosen.detach().cpu().numpy().copy())
+
     def on_final_norm(module, args, output):
         current[-1].final_norm = _rows(output)
 
@@ -76,6 +84,8 @@ def capture(model: torch.nn.Module, prompt_ids: list[int], decode_ids: list[int]
         handles.append(layer.self_attn.register_forward_hook(on_output("after_attention")))
         handles.append(layer.mlp.register_forward_hook(on_output("after_mlp")))
         handles.append(layer.register_forward_hook(on_output("after_layer")))
+        if hasattr(layer.mlp, "gate") and hasattr(layer.mlp, "experts"):
+            handles.append(layer.mlp.gate.register_forward_hook(on_router))
     handles.append(decoder.norm.register_forward_hook(on_final_norm))
 
     evaluations: list[Evaluation] = []

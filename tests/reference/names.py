@@ -9,6 +9,7 @@ import gguf
 _ARCHITECTURES = {
     "llama": gguf.MODEL_ARCH.LLAMA,
     "qwen3": gguf.MODEL_ARCH.QWEN3,
+    "qwen3moe": gguf.MODEL_ARCH.QWEN3MOE,
     "gemma3": gguf.MODEL_ARCH.GEMMA3,
     "gemma4": gguf.MODEL_ARCH.GEMMA4,
 }

@@ -8,11 +8,18 @@ The LM-head rows of the control tokens are zeroed so greedy decoding never stops
 from __future__ import annotations
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 from .gguf_writer import tiny_vocab
 
-__all__ = ["randomize", "tiny_llama", "tiny_qwen3"]
+__all__ = ["randomize", "tiny_llama", "tiny_qwen3", "tiny_qwen3moe"]
 
 LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -26,7 +33,8 @@ LLAMA3_ROPE = {
 
 
 def randomize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """Redraw every parameter: linear/embedding N(0, 1/in), norm weights U(0.5, 1.5)."""
+    """Redraw every parameter: linear/embedding N(0, 1/in) (stacked experts [E, out, in] alike, the
+    router's logits then of order one), norm weights U(0.5, 1.5)."""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -35,7 +43,7 @@ def randomize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
             elif name.endswith("embed_tokens.weight"):
                 param.copy_(torch.randn(param.shape, generator=generator))
             else:
-                fan_in = param.shape[1]
+                fan_in = param.shape[-1]
                 param.copy_(torch.randn(param.shape, generator=generator) / fan_in**0.5)
         special = tiny_vocab().special_ids
         model.get_output_embeddings().weight[special] = 0.0
@@ -92,3 +100,35 @@ def tiny_qwen3(*, tie_word_embeddings: bool = True, seed: int = 0) -> Qwen3ForCa
         attn_implementation="eager",
     )
     return _finish(Qwen3ForCausalLM(config), seed)
+
+
+def tiny_qwen3moe(*, tie_word_embeddings: bool = False, experts: int = 8, top_k: int = 2,
+                  seed: int = 0) -> Qwen3MoeForCausalLM:
+    """tiny_qwen3's attention; every layer a mixture of `experts` SwiGLU experts of width 64, `top_k`
+    taken per token, their probabilities renormalised (norm_topk_prob, as the released models)."""
+    config = Qwen3MoeConfig(
+        vocab_size=len(tiny_vocab().tokens),
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=64,
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        tie_word_embeddings=tie_word_embeddings,
+        use_sliding_window=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        attn_implementation="eager",
+        experts_implementation="eager",  # the per-expert loop, not torch's grouped_mm
+    )
+    return _finish(Qwen3MoeForCausalLM(config), seed)
