@@ -16,6 +16,7 @@ class ModelFamily(Enum):
     QWEN3 = "qwen3"
     GEMMA3 = "gemma3"
     GEMMA4 = "gemma4"
+    QWEN2 = "qwen2"
 
 
 class ExecutionPhase(Enum):

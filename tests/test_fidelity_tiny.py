@@ -1,4 +1,5 @@
-"""ember against transformers on tiny random `llama` and `qwen3` models, boundary by boundary.
+"""ember against transformers on tiny random models of the llama block's architectures (`llama`, `qwen3`,
+`qwen2`), boundary by boundary.
 
 Each case builds an HF model (float32, eager attention, random weights and norm weights), writes it as
 GGUF the way llama.cpp's converter does (tests/reference/gguf_writer.py), loads that file in ember and
@@ -24,9 +25,15 @@ from reference.compare import compare_evaluations, relative_error  # noqa: E402
 from reference.ember_recorder import record_generation  # noqa: E402
 from reference.gguf_writer import load_gguf_weights_into_hf, write_gguf  # noqa: E402
 from reference.hf_capture import capture  # noqa: E402
-from reference.tiny_models import LLAMA3_ROPE, tiny_llama, tiny_qwen3  # noqa: E402
+from reference.tiny_models import (  # noqa: E402
+    LLAMA3_ROPE,
+    tiny_llama,
+    tiny_qwen2,
+    tiny_qwen3,
+)
 
 import ember  # noqa: E402
+from ember.errors import GGUFError  # noqa: E402
 
 pytestmark = pytest.mark.reference
 
@@ -46,6 +53,9 @@ CASES = {
     # dequantization paths: HF gets the dequantized weights read back from the file
     "llama-rope_freqs-q8_0": (lambda: tiny_llama(rope_parameters=LLAMA3_ROPE), Q8_0),
     "qwen3-f16": (lambda: tiny_qwen3(tie_word_embeddings=False), F16),
+    # q/k/v biases, NEOX rope, tied LM head; then with a separate head through Q8_0 (biases stay F32)
+    "qwen2": (lambda: tiny_qwen2(), F32),
+    "qwen2-q8_0": (lambda: tiny_qwen2(tie_word_embeddings=False), Q8_0),
 }
 
 
@@ -94,3 +104,45 @@ def test_llama_qk_permutation_is_needed(tmp_path):
     reference = capture(hf_model, PROMPT, generated[:DECODE_STEPS])
     assert relative_error(ours[0].before_layer[0], reference[0].before_layer[0])[0] <= TOLERANCE
     assert relative_error(ours[0].after_attention[0], reference[0].after_attention[0])[0] > 100 * TOLERANCE
+
+
+def _without_biases(model):
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for projection in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                projection.bias.zero_()
+    return model
+
+
+# each family's distinctive feature switched off on the transformers side (same weights otherwise), and
+# the boundary where an engine that lacked it would first go wrong
+WITHOUT_FEATURE = {
+    "qwen2": (lambda: _without_biases(tiny_qwen2()), "after_attention"),
+}
+
+
+@pytest.mark.parametrize("variant", list(WITHOUT_FEATURE))
+def test_each_distinctive_feature_is_visible(variant, tmp_path):
+    """The comparison above would catch an engine without the family's feature: transformers without it
+    differs from ember (which has it) by far more than the tolerance, at the first boundary it touches."""
+    case = variant.split("-")[0]
+    ours, _, generated = _run_case(case, tmp_path)
+    build, boundary = WITHOUT_FEATURE[variant]
+    without = capture(build(), PROMPT, generated[:DECODE_STEPS])
+    worst = compare_evaluations(ours, without)[boundary]
+    assert worst.relative > 100 * TOLERANCE, worst
+
+
+def _refusal(model, tmp_path) -> str:
+    path = write_gguf(model, tmp_path / "refused.gguf")
+    with pytest.raises(GGUFError) as caught:
+        ember.load_model(path)
+    message = str(caught.value)
+    assert "\n" not in message
+    return message
+
+
+def test_a_block_with_some_of_its_qkv_biases_is_refused_in_one_line(tmp_path):
+    model = tiny_qwen2()
+    model.model.layers[1].self_attn.k_proj.bias = None
+    assert "'blk.1.attn_k.bias' is missing" in _refusal(model, tmp_path)

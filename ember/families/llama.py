@@ -1,11 +1,14 @@
-"""LLaMA and Qwen3 (GGUF architectures `llama` and `qwen3`), docs/families.md §1–§2.
+"""LLaMA, Qwen3 and Qwen2 (GGUF architectures `llama`, `qwen3`, `qwen2`), docs/families.md §1–§2, §7.
 
-One block serves both; the differences stay explicit: `llama` keeps the GGUF-permuted Q/K rows and
-uses NORM (adjacent-pair) rope, `qwen3` normalises each Q/K head (QK-norm) and uses NEOX rope.
+One block serves them; the differences stay explicit: `llama` keeps the GGUF-permuted Q/K rows and
+uses NORM (adjacent-pair) rope, `qwen3` normalises each Q/K head (QK-norm) and uses NEOX rope, `qwen2`
+uses NEOX rope and Q/K/V biases (added wherever the file has them, as llama.cpp does for every
+architecture here).
 
 Per layer l, on rows h [T, H]:
     x = RMSNorm(h, attn_norm)
-    q, k, v = x Wqᵀ, x Wkᵀ, x Wvᵀ            (qwen3: q, k = RMSNorm per head with attn_q_norm / attn_k_norm)
+    q, k, v = x Wqᵀ + bq, x Wkᵀ + bk, x Wvᵀ + bv   (biases: qwen2 only)
+    q, k = RMSNorm per head (attn_q_norm, attn_k_norm)   (qwen3 only)
     q, k = rope(q), rope(k)
     a = attention(q, k, v) Woᵀ              → after_attention (before the residual add)
     h = h + a
@@ -36,7 +39,7 @@ from ember.phases import ExecutionPhase, ModelFamily
 from ember.rows import Rows, SequenceRows
 from ember.weights import WeightStore
 
-FAMILY_OF_ARCHITECTURE = {"llama": ModelFamily.LLAMA, "qwen3": ModelFamily.QWEN3}
+FAMILY_OF_ARCHITECTURE = {"llama": ModelFamily.LLAMA, "qwen3": ModelFamily.QWEN3, "qwen2": ModelFamily.QWEN2}
 
 
 def build_config(gguf: GGUFFile) -> ModelConfig:
@@ -50,16 +53,17 @@ def build_config(gguf: GGUFFile) -> ModelConfig:
     if value_dim != head_dim:
         raise GGUFError(f"{gguf.path}: key_length {head_dim} != value_length {value_dim} is not supported")
     rope_dim = meta.int("rope.dimension_count", head_dim)
-    if architecture == "llama" and rope_dim != head_dim:
+    if architecture != "qwen3" and rope_dim != head_dim:  # llama.cpp asserts it for these graphs
         raise GGUFError(
-            f"{gguf.path}: llama.rope.dimension_count {rope_dim} must equal the head dim {head_dim}"
+            f"{gguf.path}: {architecture}.rope.dimension_count {rope_dim} must equal the head dim {head_dim}"
         )
     linear_factor = 1.0
     scaling_type = meta.raw("rope.scaling.type", "linear")
     factor = meta.raw("rope.scaling.factor", meta.raw("rope.scale_linear"))
     if factor and float(factor) != 1.0:
         if scaling_type != "linear":
-            raise GGUFError(f"{gguf.path}: rope scaling type '{scaling_type}' is not supported (only linear)")
+            raise GGUFError(f"{gguf.path}: metadata '{architecture}.rope.scaling.type' is '{scaling_type}', "
+                            "which ember does not support (only linear)")
         linear_factor = float(factor)
     tokens = gguf.metadata.get("tokenizer.ggml.tokens")
     vocab_size = meta.int("vocab_size", len(tokens) if tokens is not None else None)
@@ -97,6 +101,7 @@ class LayerWeights:
 
     attn_norm: np.ndarray
     qkv: Any  # [q rows; k rows; v rows] stacked into one (out, H) weight
+    qkv_bias: np.ndarray | None  # [bq; bk; bv] where the file has them (qwen2)
     q_norm: np.ndarray | None
     k_norm: np.ndarray | None
     attn_output: Any
@@ -133,10 +138,40 @@ def tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 SHAPES_SOURCE = "the metadata (embedding_length, head counts, key_length, feed_forward_length, vocabulary)"
+QKV = ("attn_q", "attn_k", "attn_v")
+UNUSED_BIASES = ("attn_output.bias", "ffn_gate.bias", "ffn_up.bias", "ffn_down.bias")  # optional in llama.cpp
+
+
+def qkv_bias(store: WeightStore, block: str) -> np.ndarray | None:
+    """[bq; bk; bv] of one block, or None when the file has no Q/K/V biases; all three or none."""
+    names = [f"{block}{part}.bias" for part in QKV]
+    present = [store.has(name) for name in names]
+    if not any(present):
+        return None
+    if not all(present):
+        missing = names[present.index(False)]
+        raise GGUFError(f"{store.gguf.path}: tensor {missing!r} is missing (the block has the other Q/K/V "
+                        "biases)")
+    return np.concatenate([store.vector(name) for name in names])
+
+
+def refuse_unused_biases(store: WeightStore, config: ModelConfig) -> None:
+    """Biases llama.cpp would add but this block does not have: one line rather than a wrong model."""
+    for i in range(config.layer_count):
+        for suffix in UNUSED_BIASES:
+            if store.has(f"blk.{i}.{suffix}"):
+                raise GGUFError(f"{store.gguf.path}: tensor 'blk.{i}.{suffix}' is a bias ember's "
+                                f"{config.architecture} block does not implement")
 
 
 def load_weights(store: WeightStore, config: ModelConfig) -> Weights:
-    store.check_shapes(tensor_shapes(config), SHAPES_SOURCE)
+    shapes = tensor_shapes(config)
+    for i in range(config.layer_count):
+        q, kv = config.head_count * config.head_dim, config.head_count_kv * config.head_dim
+        shapes.update({f"blk.{i}.attn_q.bias": (q,), f"blk.{i}.attn_k.bias": (kv,),
+                       f"blk.{i}.attn_v.bias": (kv,)})
+    store.check_shapes(shapes, SHAPES_SOURCE)
+    refuse_unused_biases(store, config)
 
     def fused(*names: str) -> Any:
         # One weight instead of three (two): one call per layer in decode instead of three (two).
@@ -148,6 +183,7 @@ def load_weights(store: WeightStore, config: ModelConfig) -> Weights:
         layers.append(LayerWeights(
             attn_norm=store.vector(block + "attn_norm.weight"),
             qkv=fused(block + "attn_q.weight", block + "attn_k.weight", block + "attn_v.weight"),
+            qkv_bias=qkv_bias(store, block),
             q_norm=store.vector(block + "attn_q_norm.weight") if config.has_qk_norm else None,
             k_norm=store.vector(block + "attn_k_norm.weight") if config.has_qk_norm else None,
             attn_output=store.matrix(block + "attn_output.weight"),
@@ -168,7 +204,7 @@ def load_weights(store: WeightStore, config: ModelConfig) -> Weights:
 
 
 class LlamaForward:
-    """The forward pass of one loaded llama/qwen3 model."""
+    """The forward pass of one loaded llama/qwen3/qwen2 model."""
 
     def __init__(self, config: ModelConfig, weights: Weights, store: WeightStore,
                  context_length: int) -> None:
@@ -233,13 +269,15 @@ class LlamaForward:
 
     def attention(self, i: int, layer: LayerWeights, x: np.ndarray, rows: Rows, ws: Workspace,
                   hooks: Any, listened: frozenset[str]) -> np.ndarray:
-        """a = attention(rope(q), rope(k), v) Woᵀ with q, k, v = x Wqᵀ, x Wkᵀ, x Wvᵀ (qwen3: q, k
-        RMSNorm-ed per head before rope); each row attends over its own sequence's keys (k, v go to
-        layer i's cache). Returns ws.attention_output."""
+        """a = attention(rope(q), rope(k), v) Woᵀ with q, k, v = x Wqᵀ + bq, x Wkᵀ + bk, x Wvᵀ + bv
+        (biases where the file has them; qwen3: q, k RMSNorm-ed per head before rope); each row attends
+        over its own sequence's keys (k, v go to layer i's cache). Returns ws.attention_output."""
         c = self.config
         T, hd, n_head, n_kv = len(x), c.head_dim, c.head_count, c.head_count_kv
         q_width, kv_width = n_head * hd, n_kv * hd
         linear(x, layer.qkv, ws.qkv)
+        if layer.qkv_bias is not None:
+            ws.qkv += layer.qkv_bias
         q = ws.qkv[:, :q_width].reshape(T, n_head, hd)
         k = ws.qkv[:, q_width:q_width + kv_width].reshape(T, n_kv, hd)
         v = ws.qkv[:, q_width + kv_width:].reshape(T, n_kv, hd)

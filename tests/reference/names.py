@@ -11,6 +11,7 @@ _ARCHITECTURES = {
     "qwen3": gguf.MODEL_ARCH.QWEN3,
     "gemma3": gguf.MODEL_ARCH.GEMMA3,
     "gemma4": gguf.MODEL_ARCH.GEMMA4,
+    "qwen2": gguf.MODEL_ARCH.QWEN2,
 }
 
 

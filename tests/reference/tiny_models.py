@@ -8,11 +8,23 @@ The LM-head rows of the control tokens are zeroed so greedy decoding never stops
 from __future__ import annotations
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from .gguf_writer import tiny_vocab
 
-__all__ = ["randomize", "tiny_llama", "tiny_qwen3"]
+__all__ = ["randomize", "tiny_llama", "tiny_qwen2", "tiny_qwen3"]
+
+# what every tiny model shares: 64 wide, 4 query heads over 2 KV heads (GQA) of 16 dims, the tiny vocabulary
+_COMMON = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+               max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+               attn_implementation="eager")
 
 LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -26,11 +38,13 @@ LLAMA3_ROPE = {
 
 
 def randomize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """Redraw every parameter: linear/embedding N(0, 1/in), norm weights U(0.5, 1.5)."""
+    """Redraw every parameter: linear/embedding N(0, 1/in), biases N(0, 1), norm weights U(0.5, 1.5)."""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if param.ndim == 1:
+            if name.endswith(".bias"):
+                param.copy_(torch.randn(param.shape, generator=generator))
+            elif param.ndim == 1:
                 param.copy_(0.5 + torch.rand(param.shape, generator=generator))
             elif name.endswith("embed_tokens.weight"):
                 param.copy_(torch.randn(param.shape, generator=generator))
@@ -92,3 +106,13 @@ def tiny_qwen3(*, tie_word_embeddings: bool = True, seed: int = 0) -> Qwen3ForCa
         attn_implementation="eager",
     )
     return _finish(Qwen3ForCausalLM(config), seed)
+
+
+def tiny_qwen2(*, tie_word_embeddings: bool = True, seed: int = 0) -> Qwen2ForCausalLM:
+    """3 layers, GQA, q/k/v biases (drawn N(0, 1): as large as the products they are added to), NEOX rope."""
+    config = Qwen2Config(vocab_size=len(tiny_vocab().tokens), num_hidden_layers=3, rms_norm_eps=1e-6,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+                         tie_word_embeddings=tie_word_embeddings, use_sliding_window=False, **_COMMON)
+    model = _finish(Qwen2ForCausalLM(config), seed)
+    assert model.model.layers[0].self_attn.q_proj.bias is not None
+    return model

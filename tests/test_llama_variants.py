@@ -1,0 +1,67 @@
+"""How ember reads the metadata of the llama block's variants (`qwen2`;
+docs/families.md §7), on metadata-only files, and that each family's own bad metadata ends in one
+line naming the key. (Their numerics: tests/test_fidelity_tiny.py, tests/test_attention_stages.py.)"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import pytest
+
+from ember.config import RopeLayout
+from ember.errors import GGUFError
+from ember.families import config_from_gguf
+from ember.gguf_file import GGUFFile
+from ember.phases import ModelFamily
+
+HIDDEN, HEADS, HEAD_DIM = 64, 4, 16
+
+
+def metadata_only(path: Path, arch: str, *, layers: int = 8, **extra) -> GGUFFile:
+    """A file of metadata only; `extra` maps a key (without the architecture prefix) to its value."""
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_context_length(128)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_block_count(layers)
+    writer.add_feed_forward_length(2 * HIDDEN)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(2)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_freq_base(1e6)
+    for key, value in extra.items():
+        name = f"{arch}.{key}"
+        if isinstance(value, bool):
+            writer.add_bool(name, value)
+        elif isinstance(value, str):
+            writer.add_string(name, value)
+        elif isinstance(value, int):
+            writer.add_uint32(name, value)
+        else:
+            writer.add_float32(name, value)
+    writer.add_token_list(["<a>", "<b>", "<c>"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return GGUFFile.open(path)
+
+
+def test_qwen2_is_the_plain_block_with_neox_rope(tmp_path: Path) -> None:
+    c = config_from_gguf(metadata_only(tmp_path / "q.gguf", "qwen2"))
+    assert c.family is ModelFamily.QWEN2 and c.rope_layout is RopeLayout.NEOX and not c.has_qk_norm
+
+
+BAD = {
+    "qwen2-yarn": ("qwen2", {"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0},
+                   "qwen2.rope.scaling.type"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_metadata_ends_in_one_line_naming_the_key(case: str, tmp_path: Path) -> None:
+    arch, extra, key = BAD[case]
+    with pytest.raises(GGUFError) as caught:
+        config_from_gguf(metadata_only(tmp_path / f"{case}.gguf", arch, **extra))
+    message = str(caught.value)
+    assert key in message and "\n" not in message, message
