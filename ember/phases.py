@@ -17,6 +17,7 @@ class ModelFamily(Enum):
     GEMMA3 = "gemma3"
     GEMMA4 = "gemma4"
     QWEN2 = "qwen2"
+    OLMO2 = "olmo2"
 
 
 class ExecutionPhase(Enum):

@@ -1,5 +1,5 @@
 """ember against transformers on tiny random models of the llama block's architectures (`llama`, `qwen3`,
-`qwen2`), boundary by boundary.
+`qwen2`, `olmo2`), boundary by boundary.
 
 Each case builds an HF model (float32, eager attention, random weights and norm weights), writes it as
 GGUF the way llama.cpp's converter does (tests/reference/gguf_writer.py), loads that file in ember and
@@ -8,9 +8,9 @@ single-token decode steps. HF then runs the same tokens (prompt, then ember's ge
 time against its KV cache) with forward hooks. For F16/Q8_0 files HF gets the same dequantized weights.
 
 Compared per evaluation and layer: the residual entering the layer, the attention output and the MLP
-output (both before the residual add), the layer output; then the final-norm hidden state and the logits
-of the evaluation's last token. Relative error of a tensor = max |ember − hf| / max |hf| over the whole
-tensor; every one must be ≤ 1e-4.
+output (both before the residual add: OLMo 2's after its post-norms), the layer output; then the
+final-norm hidden state and the logits of the evaluation's last token. Relative error of a tensor =
+max |ember − hf| / max |hf| over the whole tensor; every one must be ≤ 1e-4.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from reference.hf_capture import capture  # noqa: E402
 from reference.tiny_models import (  # noqa: E402
     LLAMA3_ROPE,
     tiny_llama,
+    tiny_olmo2,
     tiny_qwen2,
     tiny_qwen3,
 )
@@ -56,6 +57,8 @@ CASES = {
     # q/k/v biases, NEOX rope, tied LM head; then with a separate head through Q8_0 (biases stay F32)
     "qwen2": (lambda: tiny_qwen2(), F32),
     "qwen2-q8_0": (lambda: tiny_qwen2(tie_word_embeddings=False), Q8_0),
+    # post-norms only, QK-norm over all heads, separate LM head
+    "olmo2": (lambda: tiny_olmo2(), F32),
 }
 
 
@@ -114,10 +117,32 @@ def _without_biases(model):
     return model
 
 
+class PerHeadNorm(torch.nn.Module):
+    """An RMSNorm over each head's dims instead of the whole vector (the weights as they are)."""
+
+    def __init__(self, norm, head_dim: int) -> None:
+        super().__init__()
+        self.norm, self.head_dim = norm, head_dim
+
+    def forward(self, x):
+        heads = x.view(*x.shape[:-1], -1, self.head_dim)
+        heads = heads * torch.rsqrt(heads.pow(2).mean(-1, keepdim=True) + self.norm.variance_epsilon)
+        return self.norm.weight * heads.view(x.shape)
+
+
+def _qk_norm_per_head(model):
+    for layer in model.model.layers:
+        attention = layer.self_attn
+        attention.q_norm = PerHeadNorm(attention.q_norm, attention.head_dim)
+        attention.k_norm = PerHeadNorm(attention.k_norm, attention.head_dim)
+    return model
+
+
 # each family's distinctive feature switched off on the transformers side (same weights otherwise), and
 # the boundary where an engine that lacked it would first go wrong
 WITHOUT_FEATURE = {
     "qwen2": (lambda: _without_biases(tiny_qwen2()), "after_attention"),
+    "olmo2": (lambda: _qk_norm_per_head(tiny_olmo2()), "after_attention"),
 }
 
 
@@ -146,3 +171,8 @@ def test_a_block_with_some_of_its_qkv_biases_is_refused_in_one_line(tmp_path):
     model = tiny_qwen2()
     model.model.layers[1].self_attn.k_proj.bias = None
     assert "'blk.1.attn_k.bias' is missing" in _refusal(model, tmp_path)
+
+
+def test_olmo2_without_its_own_lm_head_is_refused_in_one_line(tmp_path):
+    """llama.cpp requires olmo2's `output.weight` (no tied head)."""
+    assert "output.weight" in _refusal(tiny_olmo2(tie_word_embeddings=True), tmp_path)

@@ -1,5 +1,5 @@
-"""How ember reads the metadata of the llama block's variants (`qwen2`;
-docs/families.md §7), on metadata-only files, and that each family's own bad metadata ends in one
+"""How ember reads the metadata of the llama block's variants (`qwen2`, `olmo2`;
+docs/families.md §7–§8), on metadata-only files, and that each family's own bad metadata ends in one
 line naming the key. (Their numerics: tests/test_fidelity_tiny.py, tests/test_attention_stages.py.)"""
 
 from __future__ import annotations
@@ -52,9 +52,15 @@ def test_qwen2_is_the_plain_block_with_neox_rope(tmp_path: Path) -> None:
     assert c.family is ModelFamily.QWEN2 and c.rope_layout is RopeLayout.NEOX and not c.has_qk_norm
 
 
+def test_olmo2_has_qk_norm_and_neox_rope(tmp_path: Path) -> None:
+    c = config_from_gguf(metadata_only(tmp_path / "o.gguf", "olmo2"))
+    assert c.family is ModelFamily.OLMO2 and c.rope_layout is RopeLayout.NEOX and c.has_qk_norm
+
+
 BAD = {
     "qwen2-yarn": ("qwen2", {"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0},
                    "qwen2.rope.scaling.type"),
+    "olmo2-sliding": ("olmo2", {"attention.sliding_window": 4096}, "olmo2.attention.sliding_window"),
 }
 
 

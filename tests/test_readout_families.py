@@ -47,7 +47,7 @@ def test_gemma3_readout(tmp_path):
     check(ember.load_model(path), [2, 10, 11, 12, 13, 14, 15])
 
 
-@pytest.mark.parametrize("family", ["qwen2"])
+@pytest.mark.parametrize("family", ["qwen2", "olmo2"])
 def test_llama_variant_readout(family, tmp_path):
     pytest.importorskip("torch")
     from reference import tiny_models

@@ -39,7 +39,8 @@ from ember.phases import ExecutionPhase, ModelFamily
 from ember.rows import Rows, SequenceRows
 from ember.weights import WeightStore
 
-FAMILY_OF_ARCHITECTURE = {"llama": ModelFamily.LLAMA, "qwen3": ModelFamily.QWEN3, "qwen2": ModelFamily.QWEN2}
+FAMILY_OF_ARCHITECTURE = {"llama": ModelFamily.LLAMA, "qwen3": ModelFamily.QWEN3, "qwen2": ModelFamily.QWEN2,
+                          "olmo2": ModelFamily.OLMO2}  # olmo2: this config, its own block (olmo2.py)
 
 
 def build_config(gguf: GGUFFile) -> ModelConfig:
@@ -84,7 +85,7 @@ def build_config(gguf: GGUFFile) -> ModelConfig:
         rope_dim=rope_dim,
         rope_layout=RopeLayout.NORM if architecture == "llama" else RopeLayout.NEOX,
         rope_linear_factor=linear_factor,
-        has_qk_norm=architecture == "qwen3",
+        has_qk_norm=architecture in ("qwen3", "olmo2"),  # olmo2's spans all heads (olmo2.py)
         tied_embeddings="output.weight" not in gguf.tensors,
     )
 

@@ -1,16 +1,18 @@
-"""Write a tiny HF llama-block model (`LlamaForCausalLM`, `Qwen3ForCausalLM`, `Qwen2ForCausalLM`) as
-GGUF the way llama.cpp's converter does.
+"""Write a tiny HF llama-block model (`LlamaForCausalLM`, `Qwen3ForCausalLM`, `Qwen2ForCausalLM`,
+`Olmo2ForCausalLM`) as GGUF the way llama.cpp's converter does.
 
 Facts mirrored from llama.cpp's `convert_hf_to_gguf.py` (the copy vendored in llama-cpp-python 0.3.36,
-`conversion/base.py`, `conversion/llama.py`, `conversion/qwen.py`); docs/families.md §1–§2, §7:
+`conversion/base.py`, `conversion/llama.py`, `conversion/qwen.py`, `conversion/olmo.py`,
+see also docs/families.md §1–§2, §7–§8:
 
 * tensor names: `token_embd`, `output_norm`, `output` (only when the head is not tied), and per block
   `attn_norm`, `attn_q`, `attn_k`, `attn_v`, `attn_output`, `attn_q_norm`/`attn_k_norm` (qwen3),
   `ffn_norm`, `ffn_gate`, `ffn_up`, `ffn_down`;
 * numpy arrays keep PyTorch's (out, in) order; GGUFWriter stores the reversed ne = [in, out];
 * arch `llama` reorders the rows of q_proj (with n_head) and k_proj (with n_head_kv), weights and biases,
-  so that NORM rope on the stored weights equals HF's NEOX rope; `qwen3`, `qwen2` store HF weights
-  unchanged (biases as `attn_q.bias`…);
+  so that NORM rope on the stored weights equals HF's NEOX rope; `qwen3`, `qwen2`, `olmo2` store HF
+  weights unchanged (biases as `attn_q.bias`…; olmo2's norms as `attn_q_norm`, `post_attention_norm`,
+  `post_ffw_norm`);
 * 1-D tensors and `*_norm.weight` are always F32; every other weight takes the file type (F32, F16, Q8_0);
   a weight whose rows do not split into quantization blocks falls back to F16, as the converter does;
 * Llama-3 rope scaling becomes a generated `rope_freqs.weight` (no scaling keys); linear scaling becomes
@@ -112,7 +114,7 @@ def tiny_vocab() -> TinyVocab:
 # --------------------------------------------------------------------------- tensors
 
 
-ARCHITECTURES = ("llama", "qwen3", "qwen2")
+ARCHITECTURES = ("llama", "qwen3", "qwen2", "olmo2")
 PERMUTED = ("llama",)  # written by llama.cpp's `LlamaModel` (undo_permute)
 
 

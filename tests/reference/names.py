@@ -12,6 +12,7 @@ _ARCHITECTURES = {
     "gemma3": gguf.MODEL_ARCH.GEMMA3,
     "gemma4": gguf.MODEL_ARCH.GEMMA4,
     "qwen2": gguf.MODEL_ARCH.QWEN2,
+    "olmo2": gguf.MODEL_ARCH.OLMO2,
 }
 
 

@@ -11,6 +11,8 @@ import torch
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
+    Olmo2Config,
+    Olmo2ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
@@ -19,7 +21,7 @@ from transformers import (
 
 from .gguf_writer import tiny_vocab
 
-__all__ = ["randomize", "tiny_llama", "tiny_qwen2", "tiny_qwen3"]
+__all__ = ["randomize", "tiny_llama", "tiny_olmo2", "tiny_qwen2", "tiny_qwen3"]
 
 # what every tiny model shares: 64 wide, 4 query heads over 2 KV heads (GQA) of 16 dims, the tiny vocabulary
 _COMMON = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
@@ -116,3 +118,12 @@ def tiny_qwen2(*, tie_word_embeddings: bool = True, seed: int = 0) -> Qwen2ForCa
     model = _finish(Qwen2ForCausalLM(config), seed)
     assert model.model.layers[0].self_attn.q_proj.bias is not None
     return model
+
+
+def tiny_olmo2(*, tie_word_embeddings: bool = False, seed: int = 0) -> Olmo2ForCausalLM:
+    """3 layers, GQA, post-norms only, QK-norm over all heads (random weights, so per head ≠ over all
+    heads), NEOX rope, separate LM head (llama.cpp requires one)."""
+    config = Olmo2Config(vocab_size=len(tiny_vocab().tokens), num_hidden_layers=3, rms_norm_eps=1e-6,
+                         rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+                         tie_word_embeddings=tie_word_embeddings, **_COMMON)
+    return _finish(Olmo2ForCausalLM(config), seed)
