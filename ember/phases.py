@@ -18,6 +18,7 @@ class ModelFamily(Enum):
     GEMMA4 = "gemma4"
     QWEN2 = "qwen2"
     OLMO2 = "olmo2"
+    GRANITE = "granite"
 
 
 class ExecutionPhase(Enum):

@@ -1,5 +1,5 @@
 """ember against transformers on tiny random models of the llama block's architectures (`llama`, `qwen3`,
-`qwen2`, `olmo2`), boundary by boundary.
+`qwen2`, `olmo2`, `granite`), boundary by boundary.
 
 Each case builds an HF model (float32, eager attention, random weights and norm weights), writes it as
 GGUF the way llama.cpp's converter does (tests/reference/gguf_writer.py), loads that file in ember and
@@ -8,9 +8,10 @@ single-token decode steps. HF then runs the same tokens (prompt, then ember's ge
 time against its KV cache) with forward hooks. For F16/Q8_0 files HF gets the same dequantized weights.
 
 Compared per evaluation and layer: the residual entering the layer, the attention output and the MLP
-output (both before the residual add: OLMo 2's after its post-norms), the layer output; then the
-final-norm hidden state and the logits of the evaluation's last token. Relative error of a tensor =
-max |ember − hf| / max |hf| over the whole tensor; every one must be ≤ 1e-4.
+output (both before the residual add: OLMo 2's after its post-norms, Granite's times its residual
+multiplier), the layer output; then the final-norm hidden state and the logits of the evaluation's last
+token. Relative error of a tensor = max |ember − hf| / max |hf| over the whole tensor; every one must
+be ≤ 1e-4.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from reference.gguf_writer import load_gguf_weights_into_hf, write_gguf  # noqa:
 from reference.hf_capture import capture  # noqa: E402
 from reference.tiny_models import (  # noqa: E402
     LLAMA3_ROPE,
+    tiny_granite,
     tiny_llama,
     tiny_olmo2,
     tiny_qwen2,
@@ -59,6 +61,9 @@ CASES = {
     "qwen2-q8_0": (lambda: tiny_qwen2(tie_word_embeddings=False), Q8_0),
     # post-norms only, QK-norm over all heads, separate LM head
     "olmo2": (lambda: tiny_olmo2(), F32),
+    # embedding ×3, residual ×0.5 on both branches, attention scale 0.125 (not 1/√16), logits / 4;
+    # permuted Q/K rows (NORM rope), tied head
+    "granite": (lambda: tiny_granite(), F32),
 }
 
 
@@ -143,6 +148,10 @@ def _qk_norm_per_head(model):
 WITHOUT_FEATURE = {
     "qwen2": (lambda: _without_biases(tiny_qwen2()), "after_attention"),
     "olmo2": (lambda: _qk_norm_per_head(tiny_olmo2()), "after_attention"),
+    "granite-embedding": (lambda: tiny_granite(embedding_multiplier=1.0), "before_layer"),
+    "granite-residual": (lambda: tiny_granite(residual_multiplier=1.0), "after_attention"),
+    "granite-attention": (lambda: tiny_granite(attention_multiplier=0.25), "after_attention"),
+    "granite-logits": (lambda: tiny_granite(logits_scaling=1.0), "logits"),
 }
 
 
@@ -171,6 +180,12 @@ def test_a_block_with_some_of_its_qkv_biases_is_refused_in_one_line(tmp_path):
     model = tiny_qwen2()
     model.model.layers[1].self_attn.k_proj.bias = None
     assert "'blk.1.attn_k.bias' is missing" in _refusal(model, tmp_path)
+
+
+def test_granite_biases_ember_does_not_add_are_refused_in_one_line(tmp_path):
+    """llama.cpp adds granite's optional output-projection and MLP biases; ember's block has none, so a
+    file with them is refused rather than run wrong."""
+    assert "'blk.0.attn_output.bias'" in _refusal(tiny_granite(attention_bias=True), tmp_path)
 
 
 def test_olmo2_without_its_own_lm_head_is_refused_in_one_line(tmp_path):

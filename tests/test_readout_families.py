@@ -47,8 +47,9 @@ def test_gemma3_readout(tmp_path):
     check(ember.load_model(path), [2, 10, 11, 12, 13, 14, 15])
 
 
-@pytest.mark.parametrize("family", ["qwen2", "olmo2"])
+@pytest.mark.parametrize("family", ["qwen2", "olmo2", "granite"])
 def test_llama_variant_readout(family, tmp_path):
+    """Granite's: with its logit scale (the LM head divides by it in both places)."""
     pytest.importorskip("torch")
     from reference import tiny_models
     from reference.gguf_writer import write_gguf

@@ -27,11 +27,11 @@ from typing import Any
 import numpy as np
 
 from ember import stages
-from ember.config import ModelConfig
 from ember.errors import GGUFError
 from ember.families import llama
 from ember.families.head import final_norm_and_logits
 from ember.families.inside import show_inputs
+from ember.families.llama import LlamaConfig
 from ember.families.workspace import Workspace
 from ember.gguf_file import GGUFFile
 from ember.ops import apply_rope, linear, rms_norm
@@ -40,7 +40,7 @@ from ember.rows import Rows
 from ember.weights import WeightStore
 
 
-def build_config(gguf: GGUFFile) -> ModelConfig:
+def build_config(gguf: GGUFFile) -> LlamaConfig:
     window = gguf.metadata.get("olmo2.attention.sliding_window")
     if window:
         raise GGUFError(f"{gguf.path}: metadata 'olmo2.attention.sliding_window' is {window!r:.40}: sliding-"
@@ -63,7 +63,7 @@ class LayerWeights:
     post_ffw_norm: np.ndarray
 
 
-def tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+def tensor_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     shapes = llama.tensor_shapes(config)
     for i in range(config.layer_count):
         block = f"blk.{i}."
@@ -77,7 +77,7 @@ def tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def load_weights(store: WeightStore, config: ModelConfig) -> llama.Weights:
+def load_weights(store: WeightStore, config: LlamaConfig) -> llama.Weights:
     store.check_shapes(tensor_shapes(config), llama.SHAPES_SOURCE)
     layers = []
     for i in range(config.layer_count):
@@ -164,5 +164,5 @@ class Olmo2Forward(llama.LlamaForward):
         return linear(ws.attention_heads, layer.attn_output, ws.attention_output)
 
 
-def build_forward(config: ModelConfig, store: WeightStore, context_length: int) -> Olmo2Forward:
+def build_forward(config: LlamaConfig, store: WeightStore, context_length: int) -> Olmo2Forward:
     return Olmo2Forward(config, load_weights(store, config), store, context_length)

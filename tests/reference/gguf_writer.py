@@ -1,23 +1,25 @@
 """Write a tiny HF llama-block model (`LlamaForCausalLM`, `Qwen3ForCausalLM`, `Qwen2ForCausalLM`,
-`Olmo2ForCausalLM`) as GGUF the way llama.cpp's converter does.
+`Olmo2ForCausalLM`, `GraniteForCausalLM`) as GGUF the way llama.cpp's converter does.
 
 Facts mirrored from llama.cpp's `convert_hf_to_gguf.py` (the copy vendored in llama-cpp-python 0.3.36,
 `conversion/base.py`, `conversion/llama.py`, `conversion/qwen.py`, `conversion/olmo.py`,
-see also docs/families.md §1–§2, §7–§8:
+`conversion/granite.py`); see also docs/families.md §1–§2, §7–§9:
 
 * tensor names: `token_embd`, `output_norm`, `output` (only when the head is not tied), and per block
   `attn_norm`, `attn_q`, `attn_k`, `attn_v`, `attn_output`, `attn_q_norm`/`attn_k_norm` (qwen3),
   `ffn_norm`, `ffn_gate`, `ffn_up`, `ffn_down`;
 * numpy arrays keep PyTorch's (out, in) order; GGUFWriter stores the reversed ne = [in, out];
-* arch `llama` reorders the rows of q_proj (with n_head) and k_proj (with n_head_kv), weights and biases,
-  so that NORM rope on the stored weights equals HF's NEOX rope; `qwen3`, `qwen2`, `olmo2` store HF
-  weights unchanged (biases as `attn_q.bias`…; olmo2's norms as `attn_q_norm`, `post_attention_norm`,
-  `post_ffw_norm`);
+* arch `llama` (and `granite`: its converter is a `LlamaModel`) reorders the rows of q_proj
+  (with n_head) and k_proj (with n_head_kv), weights and biases, so that NORM rope on the stored weights
+  equals HF's NEOX rope; `qwen3`, `qwen2`, `olmo2` store HF weights unchanged (biases as `attn_q.bias`…;
+  olmo2's norms as `attn_q_norm`, `post_attention_norm`, `post_ffw_norm`);
+* granite writes `attention.scale`, `embedding_scale`, `residual_scale`, `logit_scale` from the
+  config's multipliers (each only when non-zero) and never `attention.key_length` (it drops `head_dim`);
 * 1-D tensors and `*_norm.weight` are always F32; every other weight takes the file type (F32, F16, Q8_0);
   a weight whose rows do not split into quantization blocks falls back to F16, as the converter does;
 * Llama-3 rope scaling becomes a generated `rope_freqs.weight` (no scaling keys); linear scaling becomes
   `rope.scaling.type = "linear"` plus `rope.scaling.factor`;
-* `llama` also gets `vocab_size` and `rope.dimension_count`;
+* `llama` and `granite` also get `vocab_size` and `rope.dimension_count`;
   `attention.key_length/value_length` are written when the HF config.json carries `head_dim` (always for
   qwen3; for the others only when head_dim differs from hidden/heads, like a config.json without
   `head_dim` such as SmolLM2's).
@@ -114,8 +116,8 @@ def tiny_vocab() -> TinyVocab:
 # --------------------------------------------------------------------------- tensors
 
 
-ARCHITECTURES = ("llama", "qwen3", "qwen2", "olmo2")
-PERMUTED = ("llama",)  # written by llama.cpp's `LlamaModel` (undo_permute)
+ARCHITECTURES = ("llama", "qwen3", "qwen2", "olmo2", "granite")
+PERMUTED = ("llama", "granite")  # written by llama.cpp's `LlamaModel` (undo_permute)
 
 
 def gguf_arch(model: torch.nn.Module) -> str:
@@ -253,9 +255,16 @@ def _write_metadata(writer: gguf.GGUFWriter, model: torch.nn.Module, qtype: GGML
     writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
     head_dim = _head_dim(config)
     own_head_dim = head_dim != config.hidden_size // config.num_attention_heads
-    if arch == "qwen3" or own_head_dim:
+    if arch != "granite" and (arch == "qwen3" or own_head_dim):
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
+    if arch == "granite":
+        for add, value in ((writer.add_attention_scale, config.attention_multiplier),
+                           (writer.add_embedding_scale, config.embedding_multiplier),
+                           (writer.add_residual_scale, config.residual_multiplier),
+                           (writer.add_logit_scale, config.logits_scaling)):
+            if value:
+                add(float(value))
     writer.add_file_type(int(_FILE_TYPES[qtype]))
     if arch in PERMUTED:
         writer.add_vocab_size(config.vocab_size)

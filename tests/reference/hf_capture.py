@@ -7,7 +7,8 @@ logits, all for every row of the evaluation. Hooks are used rather than `output_
 last entry is the final-norm state, not the last layer's output (docs/families.md §0.5).
 
 The attention and MLP outputs are each branch's contribution to the residual, as ember's stages define
-them: OLMo 2's are its post-norms' outputs (`post_attention_layernorm`, `post_feedforward_layernorm`).
+them: OLMo 2's are its post-norms' outputs (`post_attention_layernorm`, `post_feedforward_layernorm`),
+Granite's are the modules' outputs times `residual_multiplier` (transformers multiplies in the layer).
 """
 
 from __future__ import annotations
@@ -72,20 +73,21 @@ def capture(model: torch.nn.Module, prompt_ids: list[int], decode_ids: list[int]
             current[-1].before_layer.append(_rows(hidden))
         return hook
 
-    def on_output(boundary):
+    def on_output(boundary, scale=1.0):
         def hook(module, args, output):
-            getattr(current[-1], boundary).append(_rows(_first(output)))
+            getattr(current[-1], boundary).append(_rows(_first(output) * scale))
         return hook
 
     def on_final_norm(module, args, output):
         current[-1].final_norm = _rows(output)
 
     handles = []
+    residual_scale = getattr(model.config, "residual_multiplier", 1.0)  # Granite's
     for index, layer in enumerate(decoder.layers):
         attention, mlp = _branches(layer)
         handles.append(layer.register_forward_pre_hook(on_layer_input(index), with_kwargs=True))
-        handles.append(attention.register_forward_hook(on_output("after_attention")))
-        handles.append(mlp.register_forward_hook(on_output("after_mlp")))
+        handles.append(attention.register_forward_hook(on_output("after_attention", residual_scale)))
+        handles.append(mlp.register_forward_hook(on_output("after_mlp", residual_scale)))
         handles.append(layer.register_forward_hook(on_output("after_layer")))
     handles.append(decoder.norm.register_forward_hook(on_final_norm))
 

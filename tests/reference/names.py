@@ -13,6 +13,7 @@ _ARCHITECTURES = {
     "gemma4": gguf.MODEL_ARCH.GEMMA4,
     "qwen2": gguf.MODEL_ARCH.QWEN2,
     "olmo2": gguf.MODEL_ARCH.OLMO2,
+    "granite": gguf.MODEL_ARCH.GRANITE,
 }
 
 

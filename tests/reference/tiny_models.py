@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 from transformers import (
+    GraniteConfig,
+    GraniteForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     Olmo2Config,
@@ -21,7 +23,7 @@ from transformers import (
 
 from .gguf_writer import tiny_vocab
 
-__all__ = ["randomize", "tiny_llama", "tiny_olmo2", "tiny_qwen2", "tiny_qwen3"]
+__all__ = ["randomize", "tiny_granite", "tiny_llama", "tiny_olmo2", "tiny_qwen2", "tiny_qwen3"]
 
 # what every tiny model shares: 64 wide, 4 query heads over 2 KV heads (GQA) of 16 dims, the tiny vocabulary
 _COMMON = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
@@ -127,3 +129,15 @@ def tiny_olmo2(*, tie_word_embeddings: bool = False, seed: int = 0) -> Olmo2ForC
                          rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
                          tie_word_embeddings=tie_word_embeddings, **_COMMON)
     return _finish(Olmo2ForCausalLM(config), seed)
+
+
+def tiny_granite(*, seed: int = 0, **overrides) -> GraniteForCausalLM:
+    """3 layers, GQA, tied head, and all four multipliers away from 1 (and the attention scale away
+    from 1/√16): embedding 3, residual 0.5, attention 0.125, logits divided by 4. All are exact in float32,
+    as the GGUF stores them."""
+    values = dict(embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.125,
+                  logits_scaling=4.0) | overrides
+    config = GraniteConfig(vocab_size=len(tiny_vocab().tokens), num_hidden_layers=3, rms_norm_eps=1e-5,
+                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                           tie_word_embeddings=True, **values, **_COMMON)
+    return _finish(GraniteForCausalLM(config), seed)
