@@ -19,6 +19,7 @@ class ModelFamily(Enum):
     QWEN2 = "qwen2"
     OLMO2 = "olmo2"
     GRANITE = "granite"
+    SMOLLM3 = "smollm3"
 
 
 class ExecutionPhase(Enum):

@@ -1,6 +1,6 @@
 """The stages inside attention (queries, keys, values, pattern, per-head outputs) against transformers
-float32 with eager attention, on every family: tiny Qwen3, Qwen2, OLMo 2, Granite and Gemma 4
-(random weights, GQA, QK-norm, biases, multipliers, sliding windows, shared KV), real
+float32 with eager attention, on every family: tiny Qwen3, Qwen2, OLMo 2, Granite, SmolLM3 and Gemma 4
+(random weights, GQA, QK-norm, biases, multipliers, no-rope layers, sliding windows, shared KV), real
 SmolLM2 (llama: permuted Q/K rows) and Gemma 3 270M. Compared per evaluation (a prefill, then decode
 steps) and layer: HF's eager attention function's query, key (the evaluated rows'), value and
 probabilities, and its output projection's input. Relative error of a tensor = max |ember − hf| /
@@ -197,10 +197,10 @@ def test_tiny_qwen3_matches_transformers(tiny_qwen3) -> None:
     check_family(path, hf, QWEN3_PROMPT, [48, 49, 50])
 
 
-@pytest.mark.parametrize("family", ["qwen2", "olmo2", "granite"])
+@pytest.mark.parametrize("family", ["qwen2", "olmo2", "granite", "smollm3"])
 def test_tiny_llama_variants_match_transformers(family, tmp_path) -> None:
     """q/k/v biases (qwen2); QK-norm over all heads at once (olmo2); the attention multiplier and permuted
-    Q/K rows (granite)."""
+    Q/K rows (granite); a layer without rope (smollm3, layer 3)."""
     from reference import tiny_models
     from reference.gguf_writer import write_gguf
 

@@ -1,5 +1,5 @@
 """ember against transformers on tiny random models of the llama block's architectures (`llama`, `qwen3`,
-`qwen2`, `olmo2`, `granite`), boundary by boundary.
+`qwen2`, `olmo2`, `granite`, `smollm3`), boundary by boundary.
 
 Each case builds an HF model (float32, eager attention, random weights and norm weights), writes it as
 GGUF the way llama.cpp's converter does (tests/reference/gguf_writer.py), loads that file in ember and
@@ -33,6 +33,7 @@ from reference.tiny_models import (  # noqa: E402
     tiny_olmo2,
     tiny_qwen2,
     tiny_qwen3,
+    tiny_smollm3,
 )
 
 import ember  # noqa: E402
@@ -64,6 +65,8 @@ CASES = {
     # embedding ×3, residual ×0.5 on both branches, attention scale 0.125 (not 1/√16), logits / 4;
     # permuted Q/K rows (NORM rope), tied head
     "granite": (lambda: tiny_granite(), F32),
+    # layer 3 without rope (llama.cpp's fixed step of 4), permuted Q/K rows, tied head
+    "smollm3": (lambda: tiny_smollm3(), F32),
 }
 
 
@@ -152,7 +155,15 @@ WITHOUT_FEATURE = {
     "granite-residual": (lambda: tiny_granite(residual_multiplier=1.0), "after_attention"),
     "granite-attention": (lambda: tiny_granite(attention_multiplier=0.25), "after_attention"),
     "granite-logits": (lambda: tiny_granite(logits_scaling=1.0), "logits"),
+    "smollm3": (lambda: tiny_smollm3_roped_everywhere(), "after_attention"),
 }
+
+
+def tiny_smollm3_roped_everywhere():
+    model = tiny_smollm3()
+    for layer in model.model.layers:
+        layer.self_attn.use_rope = True
+    return model
 
 
 @pytest.mark.parametrize("variant", list(WITHOUT_FEATURE))

@@ -1,5 +1,5 @@
-"""How ember reads the metadata of the llama block's variants (`qwen2`, `olmo2`, `granite`;
-docs/families.md §7–§9), on metadata-only files, and that each family's own bad metadata ends in one
+"""How ember reads the metadata of the llama block's variants (`qwen2`, `olmo2`, `granite`, `smollm3`;
+docs/families.md §7–§10), on metadata-only files, and that each family's own bad metadata ends in one
 line naming the key. (Their numerics: tests/test_fidelity_tiny.py, tests/test_attention_stages.py.)"""
 
 from __future__ import annotations
@@ -60,6 +60,12 @@ def test_olmo2_has_qk_norm_and_neox_rope(tmp_path: Path) -> None:
     assert c.family is ModelFamily.OLMO2 and c.rope_layout is RopeLayout.NEOX and c.has_qk_norm
 
 
+def test_smollm3_skips_rope_on_every_fourth_layer(tmp_path: Path) -> None:
+    c = config_from_gguf(metadata_only(tmp_path / "s.gguf", "smollm3", layers=9))
+    assert c.family is ModelFamily.SMOLLM3 and c.rope_layout is RopeLayout.NORM
+    assert [i for i, roped in enumerate(c.rope_layers) if not roped] == [3, 7]
+
+
 def test_granite_reads_its_multipliers(tmp_path: Path) -> None:
     c = config_from_gguf(metadata_only(tmp_path / "g.gguf", "granite", **{
         "embedding_scale": 12.0, "residual_scale": 0.25, "attention.scale": 0.0078125, "logit_scale": 8.0}))
@@ -89,6 +95,8 @@ BAD = {
                                    "granite.embedding_scale"),
     "granite-finetuned-text": ("granite", {"logit_scale": 8.0, "rope.scaling.finetuned": "yes"},
                                "granite.rope.scaling.finetuned"),
+    "smollm3-partial-rope": ("smollm3", {"rope.dimension_count": HEAD_DIM // 2},
+                             "smollm3.rope.dimension_count"),
 }
 
 

@@ -1,13 +1,14 @@
-"""The llama block and its variants (GGUF architectures `llama`, `qwen3`, `qwen2`, `granite`),
-docs/families.md §1–§2, §7, §9.
+"""The llama block and its variants (GGUF architectures `llama`, `qwen3`, `qwen2`, `granite`, `smollm3`),
+docs/families.md §1–§2, §7, §9, §10.
 
 One block serves them all; each difference is one named option of `LlamaConfig` or an optional tensor,
 visible where it acts below:
-* rope layout: `llama`, `granite` keep the converter's permuted Q/K rows and rotate adjacent
+* rope layout: `llama`, `granite`, `smollm3` keep the converter's permuted Q/K rows and rotate adjacent
   pairs (NORM); `qwen2`, `qwen3` rotate split halves (NEOX);
 * `qwen3` normalises each Q/K head (QK-norm, `has_qk_norm`);
 * q/k/v biases where the file has them (`qwen2`; llama.cpp reads them for every architecture here);
-* `rope_layers`: which layers rotate Q/K at all (`granite` with `rope.scaling.finetuned` false: none);
+* `rope_layers`: which layers rotate Q/K at all (`smollm3`: not every 4th; `granite` with
+  `rope.scaling.finetuned` false: none);
 * granite's four multipliers: embedding, residual (on both branches), attention scale, logit scale
   (1 and 1/√head_dim elsewhere).
 
@@ -46,9 +47,10 @@ from ember.rows import Rows, SequenceRows
 from ember.weights import WeightStore
 
 FAMILY_OF_ARCHITECTURE = {"llama": ModelFamily.LLAMA, "qwen3": ModelFamily.QWEN3, "qwen2": ModelFamily.QWEN2,
-                          "granite": ModelFamily.GRANITE,
+                          "granite": ModelFamily.GRANITE, "smollm3": ModelFamily.SMOLLM3,
                           "olmo2": ModelFamily.OLMO2}  # olmo2: this config, its own block (olmo2.py)
-NORM_ROPE = ("llama", "granite")  # llama.cpp's LLAMA_ROPE_TYPE_NORM: the converter permutes Q/K
+NORM_ROPE = ("llama", "granite", "smollm3")  # llama.cpp's LLAMA_ROPE_TYPE_NORM: the converter permutes Q/K
+NO_ROPE_LAYER_STEP = 4  # smollm3: llama.cpp hard-codes `n_no_rope_layer_step = 4` (no metadata key)
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,8 +74,11 @@ def granite_scale(meta: MetadataReader, key: str) -> float:
 
 
 def rope_layers(meta: MetadataReader, layer_count: int) -> tuple[bool, ...]:
-    """Which layers rotate Q/K, as llama.cpp decides: granite rotates in every layer unless
-    `rope.scaling.finetuned` is false (then in none); the others in every layer."""
+    """Which layers rotate Q/K, as llama.cpp decides: smollm3 skips every 4th layer (l + 1 ≡ 0 mod 4,
+    fixed in llama.cpp's code, whatever transformers' `no_rope_layers` said); granite rotates in every
+    layer unless `rope.scaling.finetuned` is false (then in none); the others in every layer."""
+    if meta.arch == "smollm3":
+        return tuple((layer + 1) % NO_ROPE_LAYER_STEP != 0 for layer in range(layer_count))
     if meta.arch == "granite":
         finetuned = meta.raw("rope.scaling.finetuned", True)
         if not isinstance(finetuned, (bool, np.bool_)):
@@ -259,7 +264,7 @@ def load_weights(store: WeightStore, config: ModelConfig) -> Weights:
 
 
 class LlamaForward:
-    """The forward pass of one loaded model of the llama block (llama, qwen3, qwen2, granite)."""
+    """The forward pass of one loaded model of the llama block (llama, qwen3, qwen2, granite, smollm3)."""
 
     def __init__(self, config: LlamaConfig, weights: Weights, store: WeightStore,
                  context_length: int) -> None:

@@ -1,15 +1,15 @@
 """Write a tiny HF llama-block model (`LlamaForCausalLM`, `Qwen3ForCausalLM`, `Qwen2ForCausalLM`,
-`Olmo2ForCausalLM`, `GraniteForCausalLM`) as GGUF the way llama.cpp's converter does.
+`Olmo2ForCausalLM`, `GraniteForCausalLM`, `SmolLM3ForCausalLM`) as GGUF the way llama.cpp's converter does.
 
 Facts mirrored from llama.cpp's `convert_hf_to_gguf.py` (the copy vendored in llama-cpp-python 0.3.36,
 `conversion/base.py`, `conversion/llama.py`, `conversion/qwen.py`, `conversion/olmo.py`,
-`conversion/granite.py`); see also docs/families.md §1–§2, §7–§9:
+`conversion/granite.py`); see also docs/families.md §1–§2, §7–§10:
 
 * tensor names: `token_embd`, `output_norm`, `output` (only when the head is not tied), and per block
   `attn_norm`, `attn_q`, `attn_k`, `attn_v`, `attn_output`, `attn_q_norm`/`attn_k_norm` (qwen3),
   `ffn_norm`, `ffn_gate`, `ffn_up`, `ffn_down`;
 * numpy arrays keep PyTorch's (out, in) order; GGUFWriter stores the reversed ne = [in, out];
-* arch `llama` (and `granite`: its converter is a `LlamaModel`) reorders the rows of q_proj
+* arch `llama` (and `granite`, `smollm3`: their converters are `LlamaModel`'s) reorders the rows of q_proj
   (with n_head) and k_proj (with n_head_kv), weights and biases, so that NORM rope on the stored weights
   equals HF's NEOX rope; `qwen3`, `qwen2`, `olmo2` store HF weights unchanged (biases as `attn_q.bias`…;
   olmo2's norms as `attn_q_norm`, `post_attention_norm`, `post_ffw_norm`);
@@ -19,7 +19,7 @@ Facts mirrored from llama.cpp's `convert_hf_to_gguf.py` (the copy vendored in ll
   a weight whose rows do not split into quantization blocks falls back to F16, as the converter does;
 * Llama-3 rope scaling becomes a generated `rope_freqs.weight` (no scaling keys); linear scaling becomes
   `rope.scaling.type = "linear"` plus `rope.scaling.factor`;
-* `llama` and `granite` also get `vocab_size` and `rope.dimension_count`;
+* `llama`, `granite`, `smollm3` also get `vocab_size` and `rope.dimension_count`;
   `attention.key_length/value_length` are written when the HF config.json carries `head_dim` (always for
   qwen3; for the others only when head_dim differs from hidden/heads, like a config.json without
   `head_dim` such as SmolLM2's).
@@ -116,8 +116,8 @@ def tiny_vocab() -> TinyVocab:
 # --------------------------------------------------------------------------- tensors
 
 
-ARCHITECTURES = ("llama", "qwen3", "qwen2", "olmo2", "granite")
-PERMUTED = ("llama", "granite")  # written by llama.cpp's `LlamaModel` (undo_permute)
+ARCHITECTURES = ("llama", "qwen3", "qwen2", "olmo2", "granite", "smollm3")
+PERMUTED = ("llama", "granite", "smollm3")  # written by llama.cpp's `LlamaModel` (undo_permute)
 
 
 def gguf_arch(model: torch.nn.Module) -> str:

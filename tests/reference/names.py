@@ -14,6 +14,7 @@ _ARCHITECTURES = {
     "qwen2": gguf.MODEL_ARCH.QWEN2,
     "olmo2": gguf.MODEL_ARCH.OLMO2,
     "granite": gguf.MODEL_ARCH.GRANITE,
+    "smollm3": gguf.MODEL_ARCH.SMOLLM3,
 }
 
 

@@ -19,11 +19,14 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    SmolLM3Config,
+    SmolLM3ForCausalLM,
 )
 
 from .gguf_writer import tiny_vocab
 
-__all__ = ["randomize", "tiny_granite", "tiny_llama", "tiny_olmo2", "tiny_qwen2", "tiny_qwen3"]
+__all__ = ["randomize", "tiny_granite", "tiny_llama", "tiny_olmo2", "tiny_qwen2", "tiny_qwen3",
+           "tiny_smollm3"]
 
 # what every tiny model shares: 64 wide, 4 query heads over 2 KV heads (GQA) of 16 dims, the tiny vocabulary
 _COMMON = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
@@ -141,3 +144,13 @@ def tiny_granite(*, seed: int = 0, **overrides) -> GraniteForCausalLM:
                            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
                            tie_word_embeddings=True, **values, **_COMMON)
     return _finish(GraniteForCausalLM(config), seed)
+
+
+def tiny_smollm3(*, seed: int = 0) -> SmolLM3ForCausalLM:
+    """5 layers, GQA, tied head; transformers' default `no_rope_layers` (interval 4): layer 3 has no
+    rope, as llama.cpp's fixed step of 4 says, and layer 4 has it again."""
+    config = SmolLM3Config(vocab_size=len(tiny_vocab().tokens), num_hidden_layers=5, rms_norm_eps=1e-6,
+                           rope_parameters={"rope_type": "default", "rope_theta": 5000000.0},
+                           tie_word_embeddings=True, use_sliding_window=False, **_COMMON)
+    assert config.no_rope_layers == [1, 1, 1, 0, 1]
+    return _finish(SmolLM3ForCausalLM(config), seed)
