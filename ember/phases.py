@@ -17,6 +17,10 @@ class ModelFamily(Enum):
     GEMMA3 = "gemma3"
     GEMMA4 = "gemma4"
     QWEN3MOE = "qwen3moe"  # Qwen3 attention, mixture-of-experts MLP
+    QWEN2 = "qwen2"
+    OLMO2 = "olmo2"
+    GRANITE = "granite"
+    SMOLLM3 = "smollm3"
 
 
 class ExecutionPhase(Enum):

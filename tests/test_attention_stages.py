@@ -1,9 +1,10 @@
 """The stages inside attention (queries, keys, values, pattern, per-head outputs) against transformers
-float32 with eager attention, on every family: tiny Qwen3 and Gemma 4 (random weights, GQA, QK-norm,
-sliding windows, shared KV), real SmolLM2 (llama: permuted Q/K rows) and Gemma 3 270M. Compared per
-evaluation (a prefill, then decode steps) and layer: HF's eager attention function's query, key (the
-evaluated rows'), value and probabilities, and its output projection's input. Relative error of a
-tensor = max |ember − hf| / max |hf|; every one must be ≤ 1e-4. Then what writing each stage means.
+float32 with eager attention, on every family: tiny Qwen3, Qwen2, OLMo 2, Granite, SmolLM3 and Gemma 4
+(random weights, GQA, QK-norm, biases, multipliers, no-rope layers, sliding windows, shared KV), real
+SmolLM2 (llama: permuted Q/K rows) and Gemma 3 270M. Compared per evaluation (a prefill, then decode
+steps) and layer: HF's eager attention function's query, key (the evaluated rows'), value and
+probabilities, and its output projection's input. Relative error of a tensor = max |ember − hf| /
+max |hf|; every one must be ≤ 1e-4. Then what writing each stage means.
 """
 
 from __future__ import annotations
@@ -194,6 +195,17 @@ QWEN3_PROMPT = [40, 71, 100, 33, 259, 120, 87, 66, 200, 5, 44, 45, 46, 47]  # it
 def test_tiny_qwen3_matches_transformers(tiny_qwen3) -> None:
     path, hf = tiny_qwen3
     check_family(path, hf, QWEN3_PROMPT, [48, 49, 50])
+
+
+@pytest.mark.parametrize("family", ["qwen2", "olmo2", "granite", "smollm3"])
+def test_tiny_llama_variants_match_transformers(family, tmp_path) -> None:
+    """q/k/v biases (qwen2); QK-norm over all heads at once (olmo2); the attention multiplier and permuted
+    Q/K rows (granite); a layer without rope (smollm3, layer 3)."""
+    from reference import tiny_models
+    from reference.gguf_writer import write_gguf
+
+    hf = getattr(tiny_models, f"tiny_{family}")()
+    check_family(write_gguf(hf, tmp_path / f"{family}.gguf"), hf, QWEN3_PROMPT, [48, 49, 50])
 
 
 def test_tiny_gemma4_matches_transformers(tiny_gemma4) -> None:

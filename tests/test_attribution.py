@@ -142,6 +142,18 @@ def test_tiny_qwen3(tiny_qwen3) -> None:
     check_family(tiny_qwen3, QWEN3_PROMPT)
 
 
+@pytest.mark.parametrize("family", ["qwen2", "olmo2", "granite", "smollm3", "qwen3moe"])
+def test_llama_block_variants(family, tmp_path) -> None:
+    """Granite's residual and logit multipliers, OLMo 2's post-norm: the heads still add up to
+    after_attention and the attribution to the logit difference."""
+    pytest.importorskip("torch")
+    from reference import tiny_models
+    from reference.gguf_writer import write_gguf
+
+    path = write_gguf(getattr(tiny_models, f"tiny_{family}")(), tmp_path / f"{family}.gguf")
+    check_family(ember.load_model(path, context_length=64), QWEN3_PROMPT)
+
+
 def test_a_head_s_contribution_is_what_zeroing_it_takes_away(tiny_qwen3) -> None:
     clean = run(tiny_qwen3, QWEN3_PROMPT)
     readout = tiny_qwen3.model_context.readout

@@ -8,11 +8,13 @@ within REAL_BOUNDARY_TOLERANCE: see there why), on every family:
 
 * SmolLM2-135M (llama) and Gemma 3 270M, the real files;
 * a tiny Gemma 3 whose sliding window (4) is shorter than the sequences, so the batch path masks it;
-* a tiny Qwen3 (QK-norm, head dim ≠ hidden / heads), and a tiny Qwen3 mixture of experts (8, top-2);
+* a tiny Qwen3 (QK-norm, head dim ≠ hidden / heads), a tiny Qwen3 mixture of experts (8, top-2), and tiny
+  Qwen2 (Q/K/V biases), OLMo 2 (post-norms, QK-norm over all heads), Granite (multipliers) and SmolLM3
+  (a layer without rope);
 * a tiny Gemma 4 with sliding and full layers, KV-shared layers and per-layer embeddings (PLE).
 
-The tiny Gemma 3 and Qwen3 are made by transformers (skipped without torch); the tiny Gemma 4 is written
-from NumPy weights (tests/reference/gemma4_gguf.py).
+The tiny Gemma 3 and the llama variants are made by transformers (skipped without torch); the tiny Gemma 4
+is written from NumPy weights (tests/reference/gemma4_gguf.py).
 """
 
 from __future__ import annotations
@@ -46,10 +48,11 @@ REAL_BOUNDARY_TOLERANCE = 2e-4
 LENGTHS = (5, 1, 12, 3, 8)  # ragged, one of length 1; 12 is longer than the tiny models' windows (4, 6)
 LONG = 2  # the index of the 12-token sequence, the one saved and reused
 
+LLAMA_VARIANTS = ("qwen2-tiny", "olmo2-tiny", "granite-tiny", "smollm3-tiny")
 # every test here takes under 20 s (measured on a busy 2-core machine: 8 s at most): none is slow
 FAMILIES = ["smollm2", "gemma3-270m",
             *(pytest.param(name, marks=pytest.mark.reference)
-              for name in ("gemma3-tiny", "qwen3-tiny", "qwen3moe-tiny")),
+              for name in ("gemma3-tiny", "qwen3-tiny", "qwen3moe-tiny", *LLAMA_VARIANTS)),
             "gemma4-tiny"]
 PAST_LAYER_0 = [*FAMILIES, "gemma4-tiny-nople"]
 
@@ -65,13 +68,14 @@ def _tiny_gemma3(folder: Any) -> Any:
     return ember.load_model(write_gemma3_gguf(tiny_gemma3("default"), folder / "gemma3.gguf", "default"))
 
 
-def _tiny_qwen3(folder: Any) -> Any:
+def _tiny_llama_variant(folder: Any, family: str) -> Any:
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
+    from reference import tiny_models
     from reference.gguf_writer import write_gguf
-    from reference.tiny_models import tiny_qwen3
 
-    return ember.load_model(write_gguf(tiny_qwen3(), folder / "qwen3.gguf"), context_length=64)
+    hf = getattr(tiny_models, f"tiny_{family}")()
+    return ember.load_model(write_gguf(hf, folder / f"{family}.gguf"), context_length=64)
 
 
 def _tiny_qwen3moe(folder: Any) -> Any:
@@ -107,8 +111,8 @@ def load(name: str, built: dict[str, Any], request: pytest.FixtureRequest,
             built[name] = ember.load_model("gemma3-270m", context_length=256)
         elif name == "gemma3-tiny":
             built[name] = _tiny_gemma3(folder)
-        elif name == "qwen3-tiny":
-            built[name] = _tiny_qwen3(folder)
+        elif name in ("qwen3-tiny", *LLAMA_VARIANTS):
+            built[name] = _tiny_llama_variant(folder, name.removesuffix("-tiny"))
         elif name == "qwen3moe-tiny":
             built[name] = _tiny_qwen3moe(folder)
         else:

@@ -35,7 +35,9 @@ def test_public_names() -> None:
         "Readout", "StudyItem", "Evaluation", "ItemResult",  # v0.2
     ]:
         assert hasattr(ex, name), name
-    assert [m.name for m in ModelFamily] == ["LLAMA", "QWEN3", "GEMMA3", "GEMMA4", "QWEN3MOE"]
+    assert [m.name for m in ModelFamily] == [
+        "LLAMA", "QWEN3", "GEMMA3", "GEMMA4", "QWEN3MOE", "QWEN2", "OLMO2", "GRANITE", "SMOLLM3",
+    ]
     assert [m.name for m in ExecutionPhase] == ["PREFILL", "DECODE"]
     assert [m.name for m in TracingState] == ["DISABLED", "ENABLED"]
     assert [m.name for m in TensorDType] == ["F32"]

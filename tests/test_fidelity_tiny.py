@@ -1,4 +1,5 @@
-"""ember against transformers on tiny random `llama` and `qwen3` models, boundary by boundary.
+"""ember against transformers on tiny random models of the llama block's architectures (`llama`, `qwen3`,
+`qwen2`, `olmo2`, `granite`, `smollm3`), boundary by boundary.
 
 Each case builds an HF model (float32, eager attention, random weights and norm weights), writes it as
 GGUF the way llama.cpp's converter does (tests/reference/gguf_writer.py), loads that file in ember and
@@ -7,9 +8,10 @@ single-token decode steps. HF then runs the same tokens (prompt, then ember's ge
 time against its KV cache) with forward hooks. For F16/Q8_0 files HF gets the same dequantized weights.
 
 Compared per evaluation and layer: the residual entering the layer, the attention output and the MLP
-output (both before the residual add), the layer output; then the final-norm hidden state and the logits
-of the evaluation's last token. Relative error of a tensor = max |ember − hf| / max |hf| over the whole
-tensor; every one must be ≤ 1e-4.
+output (both before the residual add: OLMo 2's after its post-norms, Granite's times its residual
+multiplier), the layer output; then the final-norm hidden state and the logits of the evaluation's last
+token. Relative error of a tensor = max |ember − hf| / max |hf| over the whole tensor; every one must
+be ≤ 1e-4.
 """
 
 from __future__ import annotations
@@ -24,9 +26,18 @@ from reference.compare import compare_evaluations, relative_error  # noqa: E402
 from reference.ember_recorder import record_generation  # noqa: E402
 from reference.gguf_writer import load_gguf_weights_into_hf, write_gguf  # noqa: E402
 from reference.hf_capture import capture  # noqa: E402
-from reference.tiny_models import LLAMA3_ROPE, tiny_llama, tiny_qwen3  # noqa: E402
+from reference.tiny_models import (  # noqa: E402
+    LLAMA3_ROPE,
+    tiny_granite,
+    tiny_llama,
+    tiny_olmo2,
+    tiny_qwen2,
+    tiny_qwen3,
+    tiny_smollm3,
+)
 
 import ember  # noqa: E402
+from ember.errors import GGUFError  # noqa: E402
 
 pytestmark = pytest.mark.reference
 
@@ -46,6 +57,16 @@ CASES = {
     # dequantization paths: HF gets the dequantized weights read back from the file
     "llama-rope_freqs-q8_0": (lambda: tiny_llama(rope_parameters=LLAMA3_ROPE), Q8_0),
     "qwen3-f16": (lambda: tiny_qwen3(tie_word_embeddings=False), F16),
+    # q/k/v biases, NEOX rope, tied LM head; then with a separate head through Q8_0 (biases stay F32)
+    "qwen2": (lambda: tiny_qwen2(), F32),
+    "qwen2-q8_0": (lambda: tiny_qwen2(tie_word_embeddings=False), Q8_0),
+    # post-norms only, QK-norm over all heads, separate LM head
+    "olmo2": (lambda: tiny_olmo2(), F32),
+    # embedding ×3, residual ×0.5 on both branches, attention scale 0.125 (not 1/√16), logits / 4;
+    # permuted Q/K rows (NORM rope), tied head
+    "granite": (lambda: tiny_granite(), F32),
+    # layer 3 without rope (llama.cpp's fixed step of 4), permuted Q/K rows, tied head
+    "smollm3": (lambda: tiny_smollm3(), F32),
 }
 
 
@@ -94,3 +115,90 @@ def test_llama_qk_permutation_is_needed(tmp_path):
     reference = capture(hf_model, PROMPT, generated[:DECODE_STEPS])
     assert relative_error(ours[0].before_layer[0], reference[0].before_layer[0])[0] <= TOLERANCE
     assert relative_error(ours[0].after_attention[0], reference[0].after_attention[0])[0] > 100 * TOLERANCE
+
+
+def _without_biases(model):
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for projection in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                projection.bias.zero_()
+    return model
+
+
+class PerHeadNorm(torch.nn.Module):
+    """An RMSNorm over each head's dims instead of the whole vector (the weights as they are)."""
+
+    def __init__(self, norm, head_dim: int) -> None:
+        super().__init__()
+        self.norm, self.head_dim = norm, head_dim
+
+    def forward(self, x):
+        heads = x.view(*x.shape[:-1], -1, self.head_dim)
+        heads = heads * torch.rsqrt(heads.pow(2).mean(-1, keepdim=True) + self.norm.variance_epsilon)
+        return self.norm.weight * heads.view(x.shape)
+
+
+def _qk_norm_per_head(model):
+    for layer in model.model.layers:
+        attention = layer.self_attn
+        attention.q_norm = PerHeadNorm(attention.q_norm, attention.head_dim)
+        attention.k_norm = PerHeadNorm(attention.k_norm, attention.head_dim)
+    return model
+
+
+# each family's distinctive feature switched off on the transformers side (same weights otherwise), and
+# the boundary where an engine that lacked it would first go wrong
+WITHOUT_FEATURE = {
+    "qwen2": (lambda: _without_biases(tiny_qwen2()), "after_attention"),
+    "olmo2": (lambda: _qk_norm_per_head(tiny_olmo2()), "after_attention"),
+    "granite-embedding": (lambda: tiny_granite(embedding_multiplier=1.0), "before_layer"),
+    "granite-residual": (lambda: tiny_granite(residual_multiplier=1.0), "after_attention"),
+    "granite-attention": (lambda: tiny_granite(attention_multiplier=0.25), "after_attention"),
+    "granite-logits": (lambda: tiny_granite(logits_scaling=1.0), "logits"),
+    "smollm3": (lambda: tiny_smollm3_roped_everywhere(), "after_attention"),
+}
+
+
+def tiny_smollm3_roped_everywhere():
+    model = tiny_smollm3()
+    for layer in model.model.layers:
+        layer.self_attn.use_rope = True
+    return model
+
+
+@pytest.mark.parametrize("variant", list(WITHOUT_FEATURE))
+def test_each_distinctive_feature_is_visible(variant, tmp_path):
+    """The comparison above would catch an engine without the family's feature: transformers without it
+    differs from ember (which has it) by far more than the tolerance, at the first boundary it touches."""
+    case = variant.split("-")[0]
+    ours, _, generated = _run_case(case, tmp_path)
+    build, boundary = WITHOUT_FEATURE[variant]
+    without = capture(build(), PROMPT, generated[:DECODE_STEPS])
+    worst = compare_evaluations(ours, without)[boundary]
+    assert worst.relative > 100 * TOLERANCE, worst
+
+
+def _refusal(model, tmp_path) -> str:
+    path = write_gguf(model, tmp_path / "refused.gguf")
+    with pytest.raises(GGUFError) as caught:
+        ember.load_model(path)
+    message = str(caught.value)
+    assert "\n" not in message
+    return message
+
+
+def test_a_block_with_some_of_its_qkv_biases_is_refused_in_one_line(tmp_path):
+    model = tiny_qwen2()
+    model.model.layers[1].self_attn.k_proj.bias = None
+    assert "'blk.1.attn_k.bias' is missing" in _refusal(model, tmp_path)
+
+
+def test_granite_biases_ember_does_not_add_are_refused_in_one_line(tmp_path):
+    """llama.cpp adds granite's optional output-projection and MLP biases; ember's block has none, so a
+    file with them is refused rather than run wrong."""
+    assert "'blk.0.attn_output.bias'" in _refusal(tiny_granite(attention_bias=True), tmp_path)
+
+
+def test_olmo2_without_its_own_lm_head_is_refused_in_one_line(tmp_path):
+    """llama.cpp requires olmo2's `output.weight` (no tied head)."""
+    assert "output.weight" in _refusal(tiny_olmo2(tie_word_embeddings=True), tmp_path)

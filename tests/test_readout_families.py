@@ -45,3 +45,16 @@ def test_gemma3_readout(tmp_path):
 
     path = write_gemma3_gguf(tiny_gemma3("default"), tmp_path / "tiny.gguf", "default")
     check(ember.load_model(path), [2, 10, 11, 12, 13, 14, 15])
+
+
+@pytest.mark.parametrize("family", ["qwen2", "olmo2", "granite", "smollm3"])
+def test_llama_variant_readout(family, tmp_path):
+    """Granite's: with its logit scale (the LM head divides by it in both places)."""
+    pytest.importorskip("torch")
+    from reference import tiny_models
+    from reference.gguf_writer import write_gguf
+
+    import ember
+
+    path = write_gguf(getattr(tiny_models, f"tiny_{family}")(), tmp_path / f"{family}.gguf")
+    check(ember.load_model(path), [1, 40, 71, 100, 33, 259, 120])

@@ -8,7 +8,7 @@ from typing import Any
 
 from ember.config import ModelConfig
 from ember.errors import UnsupportedArchitectureError
-from ember.families import gemma3, gemma4, llama, qwen3moe
+from ember.families import gemma3, gemma4, llama, olmo2, qwen3moe
 from ember.gguf_file import GGUFFile
 from ember.weights import WeightStore
 
@@ -28,6 +28,10 @@ FAMILIES: dict[str, Family] = {
     "llama": Family(llama.build_config, _llama_forward, llama.cache_specs),
     "qwen3": Family(llama.build_config, _llama_forward, llama.cache_specs),
     "qwen3moe": Family(qwen3moe.build_config, qwen3moe.build_forward, qwen3moe.cache_specs),
+    "qwen2": Family(llama.build_config, _llama_forward, llama.cache_specs),
+    "granite": Family(llama.build_config, _llama_forward, llama.cache_specs),
+    "smollm3": Family(llama.build_config, _llama_forward, llama.cache_specs),
+    "olmo2": Family(olmo2.build_config, olmo2.build_forward, olmo2.cache_specs),
     "gemma3": Family(gemma3.build_config, gemma3.build_forward, gemma3.cache_specs),
     "gemma4": Family(gemma4.build_config, gemma4.build_forward, gemma4.cache_specs),
 }

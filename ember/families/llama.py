@@ -1,18 +1,28 @@
-"""LLaMA and Qwen3 (GGUF architectures `llama` and `qwen3`), docs/families.md §1–§2.
+"""The llama block and its variants (GGUF architectures `llama`, `qwen3`, `qwen2`, `granite`, `smollm3`),
+docs/families.md §1–§2, §7, §9, §10.
 
-One block serves both; the differences stay explicit: `llama` keeps the GGUF-permuted Q/K rows and
-uses NORM (adjacent-pair) rope, `qwen3` normalises each Q/K head (QK-norm) and uses NEOX rope.
+One block serves them all; each difference is one named option of `LlamaConfig` or an optional tensor,
+visible where it acts below:
+* rope layout: `llama`, `granite`, `smollm3` keep the converter's permuted Q/K rows and rotate adjacent
+  pairs (NORM); `qwen2`, `qwen3` rotate split halves (NEOX);
+* `qwen3` normalises each Q/K head (QK-norm, `has_qk_norm`);
+* q/k/v biases where the file has them (`qwen2`; llama.cpp reads them for every architecture here);
+* `rope_layers`: which layers rotate Q/K at all (`smollm3`: not every 4th; `granite` with
+  `rope.scaling.finetuned` false: none);
+* granite's four multipliers: embedding, residual (on both branches), attention scale, logit scale
+  (1 and 1/√head_dim elsewhere).
 
-Per layer l, on rows h [T, H]:
+Input rows: h = E[token] · embedding_scale. Per layer l, on rows h [T, H]:
     x = RMSNorm(h, attn_norm)
-    q, k, v = x Wqᵀ, x Wkᵀ, x Wvᵀ            (qwen3: q, k = RMSNorm per head with attn_q_norm / attn_k_norm)
-    q, k = rope(q), rope(k)
-    a = attention(q, k, v) Woᵀ              → after_attention (before the residual add)
+    q, k, v = x Wqᵀ + bq, x Wkᵀ + bk, x Wvᵀ + bv   (biases: qwen2 only)
+    q, k = RMSNorm per head (attn_q_norm, attn_k_norm)   (qwen3 only)
+    q, k = rope(q), rope(k)                        (on layers with rope_layers[l])
+    a = attention(q, k, v; scale) Woᵀ · residual_scale   → after_attention (before the residual add)
     h = h + a
-    m = (silu(y Wgᵀ) ⊙ y Wuᵀ) Wdᵀ,  y = RMSNorm(h, ffn_norm)   → after_mlp (before the residual add)
-    h = h + m                               → after_layer
-z = RMSNorm(h[last], output_norm)            → before_logits
-logits = z Woutᵀ (or z Eᵀ when tied)         → after_logits
+    m = (silu(y Wgᵀ) ⊙ y Wuᵀ) Wdᵀ · residual_scale,  y = RMSNorm(h, ffn_norm)   → after_mlp (before the add)
+    h = h + m                                      → after_layer
+z = RMSNorm(h[last], output_norm)                  → before_logits
+logits = z Woutᵀ / logit_scale (Eᵀ when tied)      → after_logits
 """
 
 from __future__ import annotations
@@ -36,13 +46,52 @@ from ember.phases import ExecutionPhase, ModelFamily
 from ember.rows import Rows, SequenceRows
 from ember.weights import WeightStore
 
-# qwen3moe's attention is Qwen3's: its config starts as theirs (ember.families.qwen3moe)
-FAMILY_OF_ARCHITECTURE = {"llama": ModelFamily.LLAMA, "qwen3": ModelFamily.QWEN3,
-                          "qwen3moe": ModelFamily.QWEN3MOE}
-QK_NORM = ("qwen3", "qwen3moe")
+# qwen3moe's attention is Qwen3's: its config starts as theirs (ember.families.qwen3moe); olmo2 takes
+# this config with its own block (olmo2.py)
+FAMILY_OF_ARCHITECTURE = {"llama": ModelFamily.LLAMA, "qwen3": ModelFamily.QWEN3, "qwen2": ModelFamily.QWEN2,
+                          "granite": ModelFamily.GRANITE, "smollm3": ModelFamily.SMOLLM3,
+                          "olmo2": ModelFamily.OLMO2, "qwen3moe": ModelFamily.QWEN3MOE}
+QK_NORM = ("qwen3", "qwen3moe", "olmo2")  # olmo2's spans all heads at once (olmo2.py)
+NORM_ROPE = ("llama", "granite", "smollm3")  # llama.cpp's LLAMA_ROPE_TYPE_NORM: the converter permutes Q/K
+NO_ROPE_LAYER_STEP = 4  # smollm3: llama.cpp hard-codes `n_no_rope_layer_step = 4` (no metadata key)
 
 
-def build_config(gguf: GGUFFile) -> ModelConfig:
+@dataclass(frozen=True, slots=True)
+class LlamaConfig(ModelConfig):
+    """The block's options (docstring above); their defaults are plain llama's."""
+
+    rope_layers: tuple[bool, ...]  # per layer: whether Q/K are rotated
+    attention_scale: float  # multiplies q·k: 1/√head_dim, or granite's `attention.scale`
+    embedding_scale: float  # multiplies the input embeddings (granite; 1.0)
+    residual_scale: float  # multiplies the attention and MLP outputs before each residual add (granite; 1.0)
+    logit_scale: float  # the logits are divided by it (granite; 1.0)
+
+
+def granite_scale(meta: MetadataReader, key: str) -> float:
+    """An optional granite multiplier; llama.cpp reads absent and 0 alike as "no multiplier" (0.0)."""
+    value = meta.float(key, 0.0)
+    if not np.isfinite(value) or value < 0:
+        raise GGUFError(f"{meta.gguf.path}: metadata '{meta.arch}.{key}' is {value}; it must be a positive "
+                        "number (or 0 / absent: none)")
+    return value
+
+
+def rope_layers(meta: MetadataReader, layer_count: int) -> tuple[bool, ...]:
+    """Which layers rotate Q/K, as llama.cpp decides: smollm3 skips every 4th layer (l + 1 ≡ 0 mod 4,
+    fixed in llama.cpp's code, whatever transformers' `no_rope_layers` said); granite rotates in every
+    layer unless `rope.scaling.finetuned` is false (then in none); the others in every layer."""
+    if meta.arch == "smollm3":
+        return tuple((layer + 1) % NO_ROPE_LAYER_STEP != 0 for layer in range(layer_count))
+    if meta.arch == "granite":
+        finetuned = meta.raw("rope.scaling.finetuned", True)
+        if not isinstance(finetuned, (bool, np.bool_)):
+            raise GGUFError(f"{meta.gguf.path}: metadata 'granite.rope.scaling.finetuned' is "
+                            f"{finetuned!r:.80}, not a boolean")
+        return (bool(finetuned),) * layer_count
+    return (True,) * layer_count
+
+
+def build_config(gguf: GGUFFile) -> LlamaConfig:
     meta = MetadataReader(gguf)
     architecture = gguf.architecture
     hidden_size = meta.size("embedding_length")
@@ -53,20 +102,30 @@ def build_config(gguf: GGUFFile) -> ModelConfig:
     if value_dim != head_dim:
         raise GGUFError(f"{gguf.path}: key_length {head_dim} != value_length {value_dim} is not supported")
     rope_dim = meta.int("rope.dimension_count", head_dim)
-    if architecture == "llama" and rope_dim != head_dim:
+    if architecture != "qwen3" and rope_dim != head_dim:  # llama.cpp asserts it for these graphs
         raise GGUFError(
-            f"{gguf.path}: llama.rope.dimension_count {rope_dim} must equal the head dim {head_dim}"
+            f"{gguf.path}: {architecture}.rope.dimension_count {rope_dim} must equal the head dim {head_dim}"
         )
     linear_factor = 1.0
     scaling_type = meta.raw("rope.scaling.type", "linear")
     factor = meta.raw("rope.scaling.factor", meta.raw("rope.scale_linear"))
     if factor and float(factor) != 1.0:
         if scaling_type != "linear":
-            raise GGUFError(f"{gguf.path}: rope scaling type '{scaling_type}' is not supported (only linear)")
+            raise GGUFError(f"{gguf.path}: metadata '{architecture}.rope.scaling.type' is '{scaling_type}', "
+                            "which ember does not support (only linear)")
         linear_factor = float(factor)
+    attention_scale = embedding_scale = residual_scale = logit_scale = 0.0
+    if architecture == "granite":
+        attention_scale = granite_scale(meta, "attention.scale")
+        embedding_scale = granite_scale(meta, "embedding_scale")
+        residual_scale = granite_scale(meta, "residual_scale")
+        logit_scale = meta.float("logit_scale")  # required by llama.cpp
+        if not np.isfinite(logit_scale) or logit_scale <= 0:
+            raise GGUFError(f"{gguf.path}: metadata 'granite.logit_scale' is {logit_scale}; the logits are "
+                            "divided by it, so it must be a positive number")
     tokens = gguf.metadata.get("tokenizer.ggml.tokens")
     vocab_size = meta.int("vocab_size", len(tokens) if tokens is not None else None)
-    return ModelConfig(
+    return LlamaConfig(
         architecture=architecture,
         family=FAMILY_OF_ARCHITECTURE[architecture],
         name=str(gguf.metadata.get("general.name", gguf.path.stem)),
@@ -82,10 +141,15 @@ def build_config(gguf: GGUFFile) -> ModelConfig:
         rms_norm_eps=meta.float("attention.layer_norm_rms_epsilon"),
         rope_base=meta.float("rope.freq_base", 10000.0),
         rope_dim=rope_dim,
-        rope_layout=RopeLayout.NORM if architecture == "llama" else RopeLayout.NEOX,
+        rope_layout=RopeLayout.NORM if architecture in NORM_ROPE else RopeLayout.NEOX,
         rope_linear_factor=linear_factor,
         has_qk_norm=architecture in QK_NORM,
         tied_embeddings="output.weight" not in gguf.tensors,
+        rope_layers=rope_layers(meta, layer_count),
+        attention_scale=attention_scale or 1.0 / float(np.sqrt(head_dim)),
+        embedding_scale=embedding_scale or 1.0,
+        residual_scale=residual_scale or 1.0,
+        logit_scale=logit_scale or 1.0,
     )
 
 
@@ -101,6 +165,7 @@ class LayerWeights:
 
     attn_norm: np.ndarray
     qkv: Any  # [q rows; k rows; v rows] stacked into one (out, H) weight
+    qkv_bias: np.ndarray | None  # [bq; bk; bv] where the file has them (qwen2)
     q_norm: np.ndarray | None
     k_norm: np.ndarray | None
     attn_output: Any
@@ -137,10 +202,40 @@ def tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 SHAPES_SOURCE = "the metadata (embedding_length, head counts, key_length, feed_forward_length, vocabulary)"
+QKV = ("attn_q", "attn_k", "attn_v")
+UNUSED_BIASES = ("attn_output.bias", "ffn_gate.bias", "ffn_up.bias", "ffn_down.bias")  # optional in llama.cpp
+
+
+def qkv_bias(store: WeightStore, block: str) -> np.ndarray | None:
+    """[bq; bk; bv] of one block, or None when the file has no Q/K/V biases; all three or none."""
+    names = [f"{block}{part}.bias" for part in QKV]
+    present = [store.has(name) for name in names]
+    if not any(present):
+        return None
+    if not all(present):
+        missing = names[present.index(False)]
+        raise GGUFError(f"{store.gguf.path}: tensor {missing!r} is missing (the block has the other Q/K/V "
+                        "biases)")
+    return np.concatenate([store.vector(name) for name in names])
+
+
+def refuse_unused_biases(store: WeightStore, config: ModelConfig) -> None:
+    """Biases llama.cpp would add but this block does not have: one line rather than a wrong model."""
+    for i in range(config.layer_count):
+        for suffix in UNUSED_BIASES:
+            if store.has(f"blk.{i}.{suffix}"):
+                raise GGUFError(f"{store.gguf.path}: tensor 'blk.{i}.{suffix}' is a bias ember's "
+                                f"{config.architecture} block does not implement")
 
 
 def load_weights(store: WeightStore, config: ModelConfig) -> Weights:
-    store.check_shapes(tensor_shapes(config), SHAPES_SOURCE)
+    shapes = tensor_shapes(config)
+    for i in range(config.layer_count):
+        q, kv = config.head_count * config.head_dim, config.head_count_kv * config.head_dim
+        shapes.update({f"blk.{i}.attn_q.bias": (q,), f"blk.{i}.attn_k.bias": (kv,),
+                       f"blk.{i}.attn_v.bias": (kv,)})
+    store.check_shapes(shapes, SHAPES_SOURCE)
+    refuse_unused_biases(store, config)
 
     def fused(*names: str) -> Any:
         # One weight instead of three (two): one call per layer in decode instead of three (two).
@@ -152,6 +247,7 @@ def load_weights(store: WeightStore, config: ModelConfig) -> Weights:
         layers.append(LayerWeights(
             attn_norm=store.vector(block + "attn_norm.weight"),
             qkv=fused(block + "attn_q.weight", block + "attn_k.weight", block + "attn_v.weight"),
+            qkv_bias=qkv_bias(store, block),
             q_norm=store.vector(block + "attn_q_norm.weight") if config.has_qk_norm else None,
             k_norm=store.vector(block + "attn_k_norm.weight") if config.has_qk_norm else None,
             attn_output=store.matrix(block + "attn_output.weight"),
@@ -172,9 +268,9 @@ def load_weights(store: WeightStore, config: ModelConfig) -> Weights:
 
 
 class LlamaForward:
-    """The forward pass of one loaded llama/qwen3 model."""
+    """The forward pass of one loaded model of the llama block (llama, qwen3, qwen2, granite, smollm3)."""
 
-    def __init__(self, config: ModelConfig, weights: Weights, store: WeightStore,
+    def __init__(self, config: LlamaConfig, weights: Weights, store: WeightStore,
                  context_length: int) -> None:
         self.config = config
         self.weights = weights
@@ -184,7 +280,7 @@ class LlamaForward:
             config.rope_dim, config.rope_base, context_length,
             linear_factor=config.rope_linear_factor, frequency_factors=factors,
         )
-        self.scale = 1.0 / float(np.sqrt(config.head_dim))
+        self.scale = config.attention_scale
         # llama's Q/K rows are permuted for its rope layout: the stages show them in the checkpoint's order
         norm_rope = config.rope_layout is RopeLayout.NORM
         self.checkpoint_order = checkpoint_order(config.head_dim) if norm_rope else None
@@ -197,7 +293,10 @@ class LlamaForward:
         return Workspace(self.config, rows, max_keys)
 
     def embed(self, token_ids: np.ndarray, out: np.ndarray) -> None:
+        """out = E[t] · embedding_scale (granite's multiplier; 1 elsewhere)."""
         gather_rows(self.weights.token_embd, token_ids, out)
+        if self.config.embedding_scale != 1.0:
+            out *= np.float32(self.config.embedding_scale)
 
     def forward(self, token_ids: np.ndarray, start_position: int, cache: KVCache, ws: Workspace,
                 hooks, phase: ExecutionPhase, *, all_logits: bool = False) -> np.ndarray:
@@ -218,11 +317,11 @@ class LlamaForward:
             h, ws = rows.enter(i)
             hooks.before_layer(i, h)
             x = self.norm(h, layer.attn_norm, ws)
-            a = self.attention(i, layer, x, rows, ws, hooks, listened)
+            a = self.residual(self.attention(i, layer, x, rows, ws, hooks, listened))
             hooks.after_attention(i, a)
             h += a
             y = self.norm(h, layer.ffn_norm, ws)
-            m = self.mlp(layer, y, ws)
+            m = self.residual(self.mlp(layer, y, ws))
             hooks.after_mlp(i, m)
             h += m
             hooks.after_layer(i, h)
@@ -235,15 +334,24 @@ class LlamaForward:
         """RMSNorm(h, weight) into ws.normed."""
         return rms_norm(h, weight, self.config.rms_norm_eps, ws.normed, ws.row_scratch)
 
+    def residual(self, out: np.ndarray) -> np.ndarray:
+        """A branch's contribution to the residual: out · residual_scale, in place (granite; 1 elsewhere)."""
+        if self.config.residual_scale != 1.0:
+            out *= np.float32(self.config.residual_scale)
+        return out
+
     def attention(self, i: int, layer: LayerWeights, x: np.ndarray, rows: Rows, ws: Workspace,
                   hooks: Any, listened: frozenset[str]) -> np.ndarray:
-        """a = attention(rope(q), rope(k), v) Woᵀ with q, k, v = x Wqᵀ, x Wkᵀ, x Wvᵀ (qwen3: q, k
-        RMSNorm-ed per head before rope); each row attends over its own sequence's keys (k, v go to
-        layer i's cache). Returns ws.attention_output."""
+        """a = attention(rope(q), rope(k), v) Woᵀ with q, k, v = x Wqᵀ + bq, x Wkᵀ + bk, x Wvᵀ + bv
+        (biases where the file has them; qwen3: q, k RMSNorm-ed per head before rope; rope only on layers
+        with rope_layers[i]); each row attends over its own sequence's keys (k, v go to layer i's cache).
+        Returns ws.attention_output."""
         c = self.config
         T, hd, n_head, n_kv = len(x), c.head_dim, c.head_count, c.head_count_kv
         q_width, kv_width = n_head * hd, n_kv * hd
         linear(x, layer.qkv, ws.qkv)
+        if layer.qkv_bias is not None:
+            ws.qkv += layer.qkv_bias
         q = ws.qkv[:, :q_width].reshape(T, n_head, hd)
         k = ws.qkv[:, q_width:q_width + kv_width].reshape(T, n_kv, hd)
         v = ws.qkv[:, q_width + kv_width:].reshape(T, n_kv, hd)
@@ -251,11 +359,12 @@ class LlamaForward:
             k_spread = ws.head_spread[:, :n_kv] if ws.head_spread is not None else None
             rms_norm(q, layer.q_norm, c.rms_norm_eps, q, ws.head_scratch, ws.head_spread)
             rms_norm(k, layer.k_norm, c.rms_norm_eps, k, ws.head_scratch[:, :n_kv], k_spread)
-        cos, sin = rows.take(self.rope_cos, T), rows.take(self.rope_sin, T)
-        k_scratch = ws.rope_scratch[:, :, :n_kv] if ws.rope_scratch is not None else None
-        apply_rope(q, cos, sin, c.rope_layout, c.rope_dim, ws.rope_a, ws.rope_b, ws.rope_scratch)
-        apply_rope(k, cos, sin, c.rope_layout, c.rope_dim, ws.rope_a[:, :n_kv], ws.rope_b[:, :n_kv],
-                   k_scratch)
+        if c.rope_layers[i]:
+            cos, sin = rows.take(self.rope_cos, T), rows.take(self.rope_sin, T)
+            k_scratch = ws.rope_scratch[:, :, :n_kv] if ws.rope_scratch is not None else None
+            apply_rope(q, cos, sin, c.rope_layout, c.rope_dim, ws.rope_a, ws.rope_b, ws.rope_scratch)
+            apply_rope(k, cos, sin, c.rope_layout, c.rope_dim, ws.rope_a[:, :n_kv], ws.rope_b[:, :n_kv],
+                       k_scratch)
         pattern = None
         if listened:
             show_inputs(hooks, i, listened, q, k, v, self.checkpoint_order)
@@ -275,8 +384,11 @@ class LlamaForward:
         return linear(gate, layer.ffn_down, ws.mlp_output)
 
     def lm_head(self, z: np.ndarray, out: np.ndarray) -> np.ndarray:
-        """logits = z Woutᵀ (or z Eᵀ when tied)."""
-        return linear(z, self.weights.output, out)
+        """logits = z Woutᵀ (or z Eᵀ when tied), divided by logit_scale (granite; 1 elsewhere)."""
+        linear(z, self.weights.output, out)
+        if self.config.logit_scale != 1.0:
+            out /= np.float32(self.config.logit_scale)
+        return out
 
     def readout(self, hidden_rows: np.ndarray, out: np.ndarray) -> np.ndarray:
         """Final norm + LM head over any residual rows (contract v0.2 readout; reads weights only)."""
@@ -287,10 +399,13 @@ class LlamaForward:
         """Each head's share of layer `layer`'s `after_attention` [heads, T, H] from its `attention_heads`
         rows: its slice through Wo (`ember.families.inside.head_contributions`; readout, reads weights
         only)."""
-        return head_contributions(heads, self.config.head_count, self.weights.layers[layer].attn_output)
+        parts = head_contributions(heads, self.config.head_count, self.weights.layers[layer].attn_output)
+        parts *= np.float32(self.config.residual_scale)  # granite's multiplier is inside after_attention
+        return parts
 
     def logit_difference(self, vectors: np.ndarray, answer: int, foil: int, scale: float | np.ndarray
                          ) -> np.ndarray:
         """Direct logit attribution of residual rows at a fixed final-norm scale (readout;
-        `ember.families.head.logit_difference`)."""
-        return logit_difference(vectors, self.weights.output_norm, self.weights.output, answer, foil, scale)
+        `ember.families.head.logit_difference`), divided by granite's logit scale as the logits are."""
+        return logit_difference(vectors, self.weights.output_norm, self.weights.output, answer, foil,
+                                scale) / self.config.logit_scale

@@ -30,7 +30,7 @@ import numpy as np
 
 from ember import stages
 from ember.buffers import aligned_zeros
-from ember.config import MetadataReader, ModelConfig
+from ember.config import MetadataReader
 from ember.errors import GGUFError
 from ember.families import llama
 from ember.families.experts import mixture, route
@@ -46,7 +46,7 @@ cache_specs = llama.cache_specs  # every layer full attention
 
 
 @dataclass(frozen=True, slots=True)
-class Qwen3MoeConfig(ModelConfig):
+class Qwen3MoeConfig(llama.LlamaConfig):
     """`feed_forward_length` is one expert's width (`expert_feed_forward_length`)."""
 
     expert_count: int
@@ -69,7 +69,7 @@ def build_config(gguf: GGUFFile) -> Qwen3MoeConfig:
         if width < 1:
             raise GGUFError(f"{gguf.path}: metadata '{key}expert_feed_forward_length' is missing (and "
                             f"'{key}feed_forward_length' does not give it)")
-    values = {f.name: getattr(attention, f.name) for f in fields(ModelConfig)}
+    values = {f.name: getattr(attention, f.name) for f in fields(llama.LlamaConfig)}
     values["feed_forward_length"] = width
     return Qwen3MoeConfig(**values, expert_count=experts, expert_used_count=used)
 
@@ -99,6 +99,7 @@ class LayerWeights:
 
     attn_norm: np.ndarray
     qkv: Any
+    qkv_bias: None  # qwen3moe has no Q/K/V biases (llama.cpp reads none for it)
     q_norm: np.ndarray
     k_norm: np.ndarray
     attn_output: Any
@@ -118,6 +119,7 @@ def load_weights(store: WeightStore, config: Qwen3MoeConfig) -> llama.Weights:
         layers.append(LayerWeights(
             attn_norm=store.vector(block + "attn_norm.weight"),
             qkv=store.stacked([block + "attn_q.weight", block + "attn_k.weight", block + "attn_v.weight"]),
+            qkv_bias=None,
             q_norm=store.vector(block + "attn_q_norm.weight"),
             k_norm=store.vector(block + "attn_k_norm.weight"),
             attn_output=store.matrix(block + "attn_output.weight"),

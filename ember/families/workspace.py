@@ -26,8 +26,9 @@ def head_of(ws: Any, rows: int) -> Any:
 class Workspace:
     """Activation buffers for an evaluation of `rows` tokens; decode keeps one for rows = 1.
 
-    Shared by the families whose blocks have one head geometry (llama, qwen3, gemma3); the buffers
-    that only decode needs (scores, spread and rope scratch: see ember.ops) exist only for rows = 1.
+    Shared by the families whose blocks have one head geometry (the llama block's, olmo2, gemma3); the
+    buffers that only decode needs (scores, spread and rope scratch: see ember.ops) exist only for
+    rows = 1.
     """
 
     def __init__(self, config: ModelConfig, rows: int, max_keys: int) -> None:

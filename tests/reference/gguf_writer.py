@@ -1,8 +1,10 @@
-"""Write a tiny HF `LlamaForCausalLM` / `Qwen3ForCausalLM` / `Qwen3MoeForCausalLM` as GGUF the way
+"""Write a tiny HF llama-block model (`LlamaForCausalLM`, `Qwen3ForCausalLM`, `Qwen2ForCausalLM`,
+`Olmo2ForCausalLM`, `GraniteForCausalLM`, `SmolLM3ForCausalLM`) or `Qwen3MoeForCausalLM` as GGUF the way
 llama.cpp's converter does.
 
 Facts mirrored from llama.cpp's `convert_hf_to_gguf.py` (the copy vendored in llama-cpp-python 0.3.36,
-`conversion/base.py`, `conversion/llama.py`, `conversion/qwen.py`); see also docs/families.md §1–§2:
+`conversion/base.py`, `conversion/llama.py`, `conversion/qwen.py`, `conversion/olmo.py`,
+`conversion/granite.py`); see also docs/families.md §1–§2, §7–§10:
 
 * tensor names: `token_embd`, `output_norm`, `output` (only when the head is not tied), and per block
   `attn_norm`, `attn_q`, `attn_k`, `attn_v`, `attn_output`, `attn_q_norm`/`attn_k_norm` (qwen3),
@@ -12,15 +14,20 @@ Facts mirrored from llama.cpp's `convert_hf_to_gguf.py` (the copy vendored in ll
   `ffn_gate_exps` (first F rows of each expert) and `ffn_up_exps`, `mlp.experts.down_proj` [E, H, F] is
   `ffn_down_exps`; metadata adds `expert_count`, `expert_used_count`, `expert_feed_forward_length`;
 * numpy arrays keep PyTorch's (out, in) order; GGUFWriter stores the reversed ne = [in, out];
-* arch `llama` reorders the rows of q_proj (with n_head) and k_proj (with n_head_kv) so that NORM rope
-  on the stored weights equals HF's NEOX rope; arch `qwen3` stores HF weights unchanged;
+* arch `llama` (and `granite`, `smollm3`: their converters are `LlamaModel`'s) reorders the rows of q_proj
+  (with n_head) and k_proj (with n_head_kv), weights and biases, so that NORM rope on the stored weights
+  equals HF's NEOX rope; `qwen3`, `qwen2`, `olmo2` store HF weights unchanged (biases as `attn_q.bias`…;
+  olmo2's norms as `attn_q_norm`, `post_attention_norm`, `post_ffw_norm`);
+* granite writes `attention.scale`, `embedding_scale`, `residual_scale`, `logit_scale` from the
+  config's multipliers (each only when non-zero) and never `attention.key_length` (it drops `head_dim`);
 * 1-D tensors and `*_norm.weight` are always F32; every other weight takes the file type (F32, F16, Q8_0);
   a weight whose rows do not split into quantization blocks falls back to F16, as the converter does;
 * Llama-3 rope scaling becomes a generated `rope_freqs.weight` (no scaling keys); linear scaling becomes
   `rope.scaling.type = "linear"` plus `rope.scaling.factor`;
-* `llama` also gets `vocab_size` and `rope.dimension_count`; `attention.key_length/value_length` are written
-  when the HF config.json carries `head_dim` (always for qwen3; for llama only when head_dim differs from
-  hidden/heads, like a config.json without `head_dim` such as SmolLM2's).
+* `llama`, `granite`, `smollm3` also get `vocab_size` and `rope.dimension_count`;
+  `attention.key_length/value_length` are written when the HF config.json carries `head_dim` (always for
+  qwen3; for the others only when head_dim differs from hidden/heads, like a config.json without
+  `head_dim` such as SmolLM2's).
 
 The tokenizer is a small byte-level BPE vocabulary ("gpt2" model): three control tokens, the 256 GPT-2
 byte symbols and a few merges. Tests feed exact token ids, so the vocabulary only has to load.
@@ -115,13 +122,15 @@ def tiny_vocab() -> TinyVocab:
 # --------------------------------------------------------------------------- tensors
 
 
-ARCHITECTURES = {"llama": "llama", "qwen3": "qwen3", "qwen3_moe": "qwen3moe"}  # HF model_type → GGUF
+ARCHITECTURES = {"llama": "llama", "qwen3": "qwen3", "qwen2": "qwen2", "olmo2": "olmo2", "granite": "granite",
+                 "smollm3": "smollm3", "qwen3_moe": "qwen3moe"}  # HF model_type → GGUF architecture
+PERMUTED = ("llama", "granite", "smollm3")  # written by llama.cpp's `LlamaModel` (undo_permute)
 
 
 def gguf_arch(model: torch.nn.Module) -> str:
     model_type = model.config.model_type
     if model_type not in ARCHITECTURES:
-        raise ValueError(f"only llama, qwen3 and qwen3_moe HF models are supported, not {model_type!r}")
+        raise ValueError(f"only {', '.join(ARCHITECTURES)} HF models are supported, not {model_type!r}")
     return ARCHITECTURES[model_type]
 
 
@@ -135,6 +144,17 @@ def _expert_names(arch: str, layers: int, hf_name: str) -> tuple[str, ...]:
         return (gguf_tensor_name(arch, layers, base + "gate_proj.weight"),
                 gguf_tensor_name(arch, layers, base + "up_proj.weight"))
     return (gguf_tensor_name(arch, layers, base + "down_proj.weight"),)
+
+
+def _permuted(arch: str, hf_name: str, config) -> int | None:
+    """The head count the converter permutes this tensor's rows with, or None."""
+    if arch not in PERMUTED:
+        return None
+    if hf_name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
+        return config.num_attention_heads
+    if hf_name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
+        return config.num_key_value_heads
+    return None
 
 
 def _qk_row_order(rows: int, n_head: int) -> np.ndarray:
@@ -221,10 +241,9 @@ def gguf_tensors(model: torch.nn.Module, *, permute_qk: bool = True) -> Iterator
         if hf_name.endswith(DOWN_EXPERTS):
             yield _expert_names(arch, config.num_hidden_layers, hf_name)[0], np.ascontiguousarray(data)
             continue
-        if arch == "llama" and permute_qk and hf_name.endswith("self_attn.q_proj.weight"):
-            data = permute_rows(data, config.num_attention_heads)
-        elif arch == "llama" and permute_qk and hf_name.endswith("self_attn.k_proj.weight"):
-            data = permute_rows(data, config.num_key_value_heads)
+        heads = _permuted(arch, hf_name, config)
+        if heads is not None and permute_qk:
+            data = permute_rows(data, heads)
         yield gguf_tensor_name(arch, config.num_hidden_layers, hf_name), np.ascontiguousarray(data)
 
 
@@ -267,11 +286,19 @@ def _write_metadata(writer: gguf.GGUFWriter, model: torch.nn.Module, qtype: GGML
         writer.add_rope_freq_base(float(params["rope_theta"]))
     writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
     head_dim = _head_dim(config)
-    if arch in ("qwen3", "qwen3moe") or head_dim != config.hidden_size // config.num_attention_heads:
+    own_head_dim = head_dim != config.hidden_size // config.num_attention_heads
+    if arch != "granite" and (arch in ("qwen3", "qwen3moe") or own_head_dim):
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
+    if arch == "granite":
+        for add, value in ((writer.add_attention_scale, config.attention_multiplier),
+                           (writer.add_embedding_scale, config.embedding_multiplier),
+                           (writer.add_residual_scale, config.residual_multiplier),
+                           (writer.add_logit_scale, config.logits_scaling)):
+            if value:
+                add(float(value))
     writer.add_file_type(int(_FILE_TYPES[qtype]))
-    if arch == "llama":
+    if arch in PERMUTED:
         writer.add_vocab_size(config.vocab_size)
         writer.add_rope_dimension_count(head_dim)
 
@@ -293,7 +320,7 @@ def write_gguf(model: torch.nn.Module, path: str | Path, *,
                qtype: GGMLQuantizationType = GGMLQuantizationType.F32,
                vocab: TinyVocab | None = None, pre: str | None = None,
                name: str | None = None, permute_qk: bool = True) -> Path:
-    """Write `model` (a tiny float32 LlamaForCausalLM / Qwen3ForCausalLM) to `path` as GGUF.
+    """Write `model` (a tiny float32 model of one of `ARCHITECTURES`) to `path` as GGUF.
 
     `permute_qk=False` writes a deliberately wrong llama file (see `gguf_tensors`)."""
     if qtype not in _FILE_TYPES:
@@ -356,10 +383,9 @@ def load_gguf_weights_into_hf(model: torch.nn.Module, path: str | Path) -> list[
                 covered.add(hf_name)
                 loaded.append(tensor.name)
                 continue
-            if arch == "llama" and hf_name.endswith("self_attn.q_proj.weight"):
-                data = unpermute_rows(data, config.num_attention_heads)
-            elif arch == "llama" and hf_name.endswith("self_attn.k_proj.weight"):
-                data = unpermute_rows(data, config.num_key_value_heads)
+            heads = _permuted(arch, hf_name, config)
+            if heads is not None:
+                data = unpermute_rows(data, heads)
             target = state[hf_name]
             if tuple(target.shape) != data.shape:
                 raise ValueError(f"{tensor.name}: shape {data.shape} does not fit "

@@ -6,6 +6,10 @@ the residual entering the layer, the `self_attn` output (O-projection, before th
 logits and chosen experts); then the final-norm hidden state and the
 logits, all for every row of the evaluation. Hooks are used rather than `output_hidden_states`, whose
 last entry is the final-norm state, not the last layer's output (docs/families.md §0.5).
+
+The attention and MLP outputs are each branch's contribution to the residual, as ember's stages define
+them: OLMo 2's are its post-norms' outputs (`post_attention_layernorm`, `post_feedforward_layernorm`),
+Granite's are the modules' outputs times `residual_multiplier` (transformers multiplies in the layer).
 """
 
 from __future__ import annotations
@@ -47,6 +51,13 @@ def _rows(tensor: torch.Tensor) -> np.ndarray:
     return tensor.detach()[0].to(torch.float32).cpu().numpy().copy()
 
 
+def _branches(layer: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """The modules whose outputs are the attention's and the MLP's contributions to the residual."""
+    if hasattr(layer, "post_feedforward_layernorm") and not hasattr(layer, "input_layernorm"):  # OLMo 2
+        return layer.post_attention_layernorm, layer.post_feedforward_layernorm
+    return layer.self_attn, layer.mlp
+
+
 def _cache_kwarg(model: torch.nn.Module) -> str:
     parameters = inspect.signature(model.forward).parameters
     return "cache" if "cache" in parameters else "past_key_values"
@@ -65,9 +76,9 @@ def capture(model: torch.nn.Module, prompt_ids: list[int], decode_ids: list[int]
             current[-1].before_layer.append(_rows(hidden))
         return hook
 
-    def on_output(boundary):
+    def on_output(boundary, scale=1.0):
         def hook(module, args, output):
-            getattr(current[-1], boundary).append(_rows(_first(output)))
+            getattr(current[-1], boundary).append(_rows(_first(output) * scale))
         return hook
 
     def on_router(module, args, output):  # a mixture's router: (logits, top-k weights, top-k experts)
@@ -79,10 +90,12 @@ def capture(model: torch.nn.Module, prompt_ids: list[int], decode_ids: list[int]
         current[-1].final_norm = _rows(output)
 
     handles = []
+    residual_scale = getattr(model.config, "residual_multiplier", 1.0)  # Granite's
     for index, layer in enumerate(decoder.layers):
+        attention, mlp = _branches(layer)
         handles.append(layer.register_forward_pre_hook(on_layer_input(index), with_kwargs=True))
-        handles.append(layer.self_attn.register_forward_hook(on_output("after_attention")))
-        handles.append(layer.mlp.register_forward_hook(on_output("after_mlp")))
+        handles.append(attention.register_forward_hook(on_output("after_attention", residual_scale)))
+        handles.append(mlp.register_forward_hook(on_output("after_mlp", residual_scale)))
         handles.append(layer.register_forward_hook(on_output("after_layer")))
         if hasattr(layer.mlp, "gate") and hasattr(layer.mlp, "experts"):
             handles.append(layer.mlp.gate.register_forward_hook(on_router))

@@ -12,6 +12,10 @@ _ARCHITECTURES = {
     "qwen3moe": gguf.MODEL_ARCH.QWEN3MOE,
     "gemma3": gguf.MODEL_ARCH.GEMMA3,
     "gemma4": gguf.MODEL_ARCH.GEMMA4,
+    "qwen2": gguf.MODEL_ARCH.QWEN2,
+    "olmo2": gguf.MODEL_ARCH.OLMO2,
+    "granite": gguf.MODEL_ARCH.GRANITE,
+    "smollm3": gguf.MODEL_ARCH.SMOLLM3,
 }
 
 

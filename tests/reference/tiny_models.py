@@ -9,17 +9,31 @@ from __future__ import annotations
 
 import torch
 from transformers import (
+    GraniteConfig,
+    GraniteForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
+    Olmo2Config,
+    Olmo2ForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
+    SmolLM3Config,
+    SmolLM3ForCausalLM,
 )
 
 from .gguf_writer import tiny_vocab
 
-__all__ = ["randomize", "tiny_llama", "tiny_qwen3", "tiny_qwen3moe"]
+__all__ = ["randomize", "tiny_granite", "tiny_llama", "tiny_olmo2", "tiny_qwen2", "tiny_qwen3",
+           "tiny_qwen3moe", "tiny_smollm3"]
+
+# what every tiny model shares: 64 wide, 4 query heads over 2 KV heads (GQA) of 16 dims, the tiny vocabulary
+_COMMON = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+               max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+               attn_implementation="eager")
 
 LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -34,11 +48,13 @@ LLAMA3_ROPE = {
 
 def randomize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
     """Redraw every parameter: linear/embedding N(0, 1/in) (stacked experts [E, out, in] alike, the
-    router's logits then of order one), norm weights U(0.5, 1.5)."""
+    router's logits then of order one), biases N(0, 1), norm weights U(0.5, 1.5)."""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if param.ndim == 1:
+            if name.endswith(".bias"):
+                param.copy_(torch.randn(param.shape, generator=generator))
+            elif param.ndim == 1:
                 param.copy_(0.5 + torch.rand(param.shape, generator=generator))
             elif name.endswith("embed_tokens.weight"):
                 param.copy_(torch.randn(param.shape, generator=generator))
@@ -132,3 +148,44 @@ def tiny_qwen3moe(*, tie_word_embeddings: bool = False, experts: int = 8, top_k:
         experts_implementation="eager",  # the per-expert loop, not torch's grouped_mm
     )
     return _finish(Qwen3MoeForCausalLM(config), seed)
+
+
+def tiny_qwen2(*, tie_word_embeddings: bool = True, seed: int = 0) -> Qwen2ForCausalLM:
+    """3 layers, GQA, q/k/v biases (drawn N(0, 1): as large as the products they are added to), NEOX rope."""
+    config = Qwen2Config(vocab_size=len(tiny_vocab().tokens), num_hidden_layers=3, rms_norm_eps=1e-6,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+                         tie_word_embeddings=tie_word_embeddings, use_sliding_window=False, **_COMMON)
+    model = _finish(Qwen2ForCausalLM(config), seed)
+    assert model.model.layers[0].self_attn.q_proj.bias is not None
+    return model
+
+
+def tiny_olmo2(*, tie_word_embeddings: bool = False, seed: int = 0) -> Olmo2ForCausalLM:
+    """3 layers, GQA, post-norms only, QK-norm over all heads (random weights, so per head ≠ over all
+    heads), NEOX rope, separate LM head (llama.cpp requires one)."""
+    config = Olmo2Config(vocab_size=len(tiny_vocab().tokens), num_hidden_layers=3, rms_norm_eps=1e-6,
+                         rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+                         tie_word_embeddings=tie_word_embeddings, **_COMMON)
+    return _finish(Olmo2ForCausalLM(config), seed)
+
+
+def tiny_granite(*, seed: int = 0, **overrides) -> GraniteForCausalLM:
+    """3 layers, GQA, tied head, and all four multipliers away from 1 (and the attention scale away
+    from 1/√16): embedding 3, residual 0.5, attention 0.125, logits divided by 4. All are exact in float32,
+    as the GGUF stores them."""
+    values = dict(embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.125,
+                  logits_scaling=4.0) | overrides
+    config = GraniteConfig(vocab_size=len(tiny_vocab().tokens), num_hidden_layers=3, rms_norm_eps=1e-5,
+                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                           tie_word_embeddings=True, **values, **_COMMON)
+    return _finish(GraniteForCausalLM(config), seed)
+
+
+def tiny_smollm3(*, seed: int = 0) -> SmolLM3ForCausalLM:
+    """5 layers, GQA, tied head; transformers' default `no_rope_layers` (interval 4): layer 3 has no
+    rope, as llama.cpp's fixed step of 4 says, and layer 4 has it again."""
+    config = SmolLM3Config(vocab_size=len(tiny_vocab().tokens), num_hidden_layers=5, rms_norm_eps=1e-6,
+                           rope_parameters={"rope_type": "default", "rope_theta": 5000000.0},
+                           tie_word_embeddings=True, use_sliding_window=False, **_COMMON)
+    assert config.no_rope_layers == [1, 1, 1, 0, 1]
+    return _finish(SmolLM3ForCausalLM(config), seed)
