@@ -117,8 +117,8 @@ def build(*overrides: str, layer_count: int = 30):
         (["experiment=zero_layer", "layer=1", "+experiments.0.strength=2"], "has no parameter 'strength'"),
         (["experiments=[{name:zero_layer_output,layer:[1,40]}]"], "layer[1]=40 is out of range"),
         (["experiments=[{name:nope}]"], "unknown experiment 'nope' in experiments[0]; built-in experiments: "
-                                        "ablation, activation_patching, activation_stats, logit_lens, "
-                                        "steering, zero_layer (alias zero_layer_output)"),
+                                        "ablation, activation_patching, activation_stats, head_patching, "
+                                        "logit_lens, steering, zero_layer (alias zero_layer_output)"),
         (["experiments=[{name:zero_layr,layer:1}]"],
          "unknown experiment 'zero_layr' in experiments[0] (did you mean zero_layer?)"),
         (["experiments=[{name:zero_layer,layer:1,tagret:mlp}]"], "has no parameter 'tagret' (did you mean "

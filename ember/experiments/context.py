@@ -38,10 +38,14 @@ class ModelContext:
     # v0.2: the model's final norm and unembedding as a read-only function (ember.experiments.readout);
     # None where the engine offers none (a context built by hand).
     readout: Any = field(default=None, compare=False, repr=False)
+    # Query heads per layer (each layer's `attention_heads` has head h in columns h·head_dim…, head_dim =
+    # its width / head_count); 0 where unknown (a context built by hand).
+    head_count: int = 0
 
     @classmethod
     def from_config(cls, config: Any, model_id: str | None = None, readout: Any = None) -> ModelContext:
-        """Build from a `ModelConfig` (anything with family, architecture, layer_count, hidden_size)."""
+        """Build from a `ModelConfig` (anything with family, architecture, layer_count, hidden_size, and
+        optionally head_count)."""
         return cls(
             family=ModelFamily(config.family),
             model_id=model_id,
@@ -49,6 +53,7 @@ class ModelContext:
             layer_count=int(config.layer_count),
             hidden_size=int(config.hidden_size),
             readout=readout,
+            head_count=int(getattr(config, "head_count", 0)),
         )
 
 

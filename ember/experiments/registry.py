@@ -6,6 +6,7 @@ from ember.experiments.ablation import Ablation
 from ember.experiments.activation_patching import ActivationPatching
 from ember.experiments.activation_stats import ActivationStats
 from ember.experiments.base import Experiment
+from ember.experiments.head_patching import HeadPatching
 from ember.experiments.logit_lens import LogitLens
 from ember.experiments.steering import Steering
 from ember.experiments.zero_layer_output import ZeroLayerOutput
@@ -15,6 +16,7 @@ BUILTIN_EXPERIMENTS: dict[str, type[Experiment]] = {
     "zero_layer_output": ZeroLayerOutput,
     "logit_lens": LogitLens,
     "activation_patching": ActivationPatching,
+    "head_patching": HeadPatching,
     "ablation": Ablation,
     "steering": Steering,
 }
