@@ -42,7 +42,7 @@ def test_public_names() -> None:
     assert [m.name for m in TracingState] == ["DISABLED", "ENABLED"]
     assert [m.name for m in TensorDType] == ["F32"]
     assert set(ex.BUILTIN_EXPERIMENTS) == {"activation_stats", "zero_layer_output", "logit_lens",
-                                           "activation_patching", "ablation", "steering",
+                                           "activation_patching", "head_patching", "ablation", "steering",
                                            "direct_logit_attribution", "expert_usage"}
 
 
@@ -63,11 +63,13 @@ def test_contexts_are_frozen_slotted_dataclasses(cls: type) -> None:
 
 
 def test_context_fields_and_immutability() -> None:
-    # v0.1's fields, then v0.2's readout (a default, left out of equality)
+    # v0.1's fields, then v0.2's readout (a default, left out of equality), then the heads per layer (0:
+    # unknown, as in a context built by hand)
     assert [f.name for f in dataclasses.fields(ModelContext)] == [
         "family", "model_id", "architecture", "layer_count", "hidden_size", "readout", "expert_count",
-        "experts_per_token"]
+        "experts_per_token", "head_count"]
     assert ModelContext.from_config(MODEL, "x").readout is None
+    assert MODEL.head_count == 0
     assert dataclasses.replace(MODEL, readout=object()) == MODEL
     # v0.1's fields, then v0.3's batch layout (None for one sequence)
     assert [f.name for f in dataclasses.fields(ExecutionContext)] == [

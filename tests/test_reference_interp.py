@@ -7,7 +7,10 @@ Checked within 1e-3 (absolute):
   three capitals items;
 * activation patching: the share of the logit difference restored, per (site, layer, position), on two
   capitals items, all three sites, every fifth layer and the last, every position from the first changed
-  token (each nnsight pass is a traced torch forward: every layer would take half an hour on 2 cores).
+  token (each nnsight pass is a traced torch forward: every layer would take half an hour on 2 cores);
+* head patching: the same share per (position class, layer, head), the clean run's head outputs written
+  at the input of each layer's `o_proj` (transformers' per-head outputs, heads side by side), on two IOI
+  items, every head of every fifth layer and the last, all three position classes.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from reference.hf_capture import load_hf_from_gguf  # noqa: E402
 
 from ember.data import load_prompt_set, parse_data_spec  # noqa: E402
 from ember.experiments.activation_patching import ActivationPatching  # noqa: E402
+from ember.experiments.head_patching import POSITIONS, HeadPatching  # noqa: E402
 from ember.experiments.logit_lens import LogitLens  # noqa: E402
 from ember.runs.study import run_item  # noqa: E402
 from ember.runs.study_plan import study_item  # noqa: E402
@@ -141,3 +145,55 @@ def _item_scores(model, item, sites) -> np.ndarray:
     patching = ActivationPatching(sites=sites, layers=PATCH_LAYERS, figure_items=1)
     run_item(model, patching, item)
     return patching.results().arrays[f"item{item.index}_restored"]
+
+
+def nnsight_head_patching(hf_model, item, layers) -> np.ndarray:
+    """The same scores as HeadPatching(layers=layers) ([positions, layers, heads]), with nnsight writing
+    the clean run's head outputs into the input of `o_proj` in the corrupted run."""
+    wrapped = nnsight.NNsight(hf_model)
+    clean_ids = torch.tensor([list(item.token_ids)])
+    corrupt_ids = torch.tensor([list(item.corrupted_ids)])
+    answer, wrong = item.answer_id, item.wrong_answer_id
+    heads, head_dim = hf_model.config.num_attention_heads, hf_model.config.head_dim
+    T = len(item.token_ids)
+    differ = [p for p in range(T) if item.token_ids[p] != item.corrupted_ids[p]]
+    chosen = {"all": list(range(differ[0], T)), "changed": differ, "last": [T - 1]}
+    recorded: dict = {}
+    with torch.no_grad(), wrapped.trace(clean_ids):
+        for layer in layers:
+            recorded[layer] = wrapped.model.layers[layer].self_attn.o_proj.input.save()
+    with torch.no_grad():
+        clean = hf_model(clean_ids).logits[0, -1]
+        corrupt = hf_model(corrupt_ids).logits[0, -1]
+    ld_clean = float(clean[answer] - clean[wrong])
+    ld_corrupt = float(corrupt[answer] - corrupt[wrong])
+    scores = np.zeros((len(POSITIONS), len(layers), heads))
+    for c, name in enumerate(POSITIONS):
+        for j, layer in enumerate(layers):
+            for head in range(heads):
+                columns = slice(head * head_dim, (head + 1) * head_dim)
+                out: dict = {}
+                with torch.no_grad(), wrapped.trace(corrupt_ids):
+                    heads_input = wrapped.model.layers[layer].self_attn.o_proj.input
+                    for position in chosen[name]:
+                        heads_input[0, position, columns] = recorded[layer][0, position, columns]
+                    out["logits"] = wrapped.lm_head.output.save()
+                patched = out["logits"][0, -1]
+                ld = float(patched[answer] - patched[wrong])
+                scores[c, j, head] = (ld - ld_corrupt) / (ld_clean - ld_corrupt)
+    return scores
+
+
+def test_head_patching_scores_match_nnsight(smollm2, hf_model):
+    prompts = load_prompt_set(parse_data_spec({"path": "ember:ioi.jsonl", "limit": 2}))
+    items = [study_item(i, item, smollm2.tokenizer) for i, item in enumerate(prompts.items)]
+    worst = 0.0
+    for item in items:
+        patching = HeadPatching(layers=PATCH_LAYERS, figure_items=1)
+        run_item(smollm2, patching, item)
+        ours = patching.results().arrays[f"item{item.index}_restored"]
+        theirs = nnsight_head_patching(hf_model, item, PATCH_LAYERS)
+        assert ours.shape == theirs.shape
+        worst = max(worst, float(np.abs(ours - theirs).max()))
+    print(f"\n  head patching: max |Δ restored share| vs nnsight {worst:.2e}")
+    assert worst <= TOLERANCE

@@ -41,6 +41,14 @@ from ember.errors import ConfigError
 from ember.experiments.base import Experiment
 from ember.experiments.context import ExecutionPhase, LayerContext, ModelContext, TensorAccess
 from ember.experiments.labels import shorten, token_label
+from ember.experiments.patching import (
+    changed_positions,
+    check_pairs,
+    logit_difference,
+    restored,
+    score_maps,
+    token_pairs,
+)
 from ember.experiments.results import ExperimentResult, Metric
 from ember.experiments.study import Evaluation, ItemResult, StudyItem
 
@@ -126,30 +134,16 @@ class ActivationPatching(Experiment):
     # -- a study item ------------------------------------------------------------------------------
 
     def check_items(self, items: Sequence[StudyItem]) -> None:
-        for item in items:
-            missing = [f for f in ("corrupted", "answer", "wrong_answer") if getattr(item, f) is None]
-            if missing:
-                raise ConfigError(f"item {item.index} has no {', '.join(missing)}; activation patching "
-                                  f"needs clean/corrupted pairs with an answer and a wrong answer "
-                                  f"(e.g. data=capitals)")
-            if len(item.corrupted_ids or ()) != len(item.token_ids):
-                raise ConfigError(f"item {item.index}: the corrupted prompt has "
-                                  f"{len(item.corrupted_ids or ())} tokens, the clean one "
-                                  f"{len(item.token_ids)}; patching needs equal lengths")
-            if tuple(item.corrupted_ids or ()) == tuple(item.token_ids):
-                raise ConfigError(f"item {item.index}: the clean and corrupted prompts are the same tokens")
+        check_pairs(items, self.name)
 
     def evaluate_item(self, item: StudyItem) -> Generator[Any, Any, ItemResult]:
-        answer, wrong = item.answer_id, item.wrong_answer_id
-        assert answer is not None and wrong is not None and item.corrupted_ids is not None
+        assert item.corrupted_ids is not None
         clean, corrupted = yield [Evaluation(item.token_ids, tag=("clean", item.index)),
                                   Evaluation(item.corrupted_ids, attach=False, save="corrupted")]
-        ld_clean = float(clean[answer] - clean[wrong])
-        ld_corrupted = float(corrupted[answer] - corrupted[wrong])
-        span = ld_clean - ld_corrupted
+        ld_clean, ld_corrupted = logit_difference(clean, item), logit_difference(corrupted, item)
         layers = self.layers if self.layers is not None else tuple(range(self._layer_count))
         T = len(item.token_ids)
-        differ = np.flatnonzero(np.array(item.token_ids) != np.array(item.corrupted_ids))
+        differ = changed_positions(item)
         first, last_changed = int(differ[0]), int(differ[-1])
         columns: list[Any] = list(range(T)) if self.span == "each" else [self.span]
         scores = np.full((len(self.sites), len(layers), len(columns)), np.nan)
@@ -176,8 +170,7 @@ class ActivationPatching(Experiment):
         patched = yield passes
         for (s, j, k), logits in zip(patches, patched, strict=True):
             self._passes += 1
-            ld = float(logits[answer] - logits[wrong])
-            scores[s, j, k] = (ld - ld_corrupted) / span if abs(span) > 1e-6 else math.nan
+            scores[s, j, k] = restored(logit_difference(logits, item), ld_clean, ld_corrupted)
         for key in [key for key in self._clean if key[0] == item.index]:
             del self._clean[key]
         self._items += 1
@@ -196,22 +189,14 @@ class ActivationPatching(Experiment):
                     else math.nan
             result.key = tuple(f"{site}.{name}" for site in self.sites for name in ("changed_last", "last"))
             if len(self._maps) < self.figure_items:
-                self._maps.append({"item": item.index, "scores": scores, "layers": layers,
-                                   "first": first, "tokens": self._tokens(item), "model": self._model})
+                self._maps.append({"item": item.index, "scores": scores, "layers": layers, "first": first,
+                                   "tokens": token_pairs(self._readout, item), "model": self._model})
         else:
             for s, site in enumerate(self.sites):
                 per_layer = scores[s, :, 0].tolist()
                 result.series[f"{site}.{self.span}"] = dict(zip(layers, per_layer, strict=True))
             result.key = tuple(f"{site}.{self.span}" for site in self.sites)
         return result
-
-    def _tokens(self, item: StudyItem) -> list[tuple[str, str]]:
-        """(clean, corrupted) token text per position."""
-        if self._readout is None:
-            return [(str(a), str(b)) for a, b in zip(item.token_ids, item.corrupted_ids or (), strict=True)]
-        clean = self._readout.token_text(item.token_ids)
-        corrupted = self._readout.token_text(item.corrupted_ids or ())
-        return list(zip(clean, corrupted, strict=True))
 
     def _accumulate(self, scores: np.ndarray, picks: dict[str, int | None]) -> None:
         if self._class_sums is None:
@@ -246,39 +231,14 @@ class ActivationPatching(Experiment):
 
 def _class_figure(mean: np.ndarray, sites: Sequence[str], layers: Sequence[int], items: int,
                   model: str = "") -> Figure:
-    from matplotlib.figure import Figure
-
-    figure = Figure(figsize=(4.2 * len(sites) + 1, max(4, 0.22 * len(layers) + 1.5)), layout="constrained")
-    axes = figure.subplots(1, len(sites), squeeze=False)[0]
-    for ax, s, site in zip(axes, range(len(sites)), sites, strict=True):
-        image = ax.imshow(mean[s], aspect="auto", origin="lower", cmap="RdBu_r", vmin=-1, vmax=1,
-                          extent=(-0.5, len(CLASSES) - 0.5, layers[0] - 0.5, layers[-1] + 0.5))
-        ax.set_xticks(range(len(CLASSES)), [c.replace("_", "\n") for c in CLASSES], fontsize=8)
-        ax.set_title(f"{site}")
-        ax.set_ylabel("layer")
-    figure.colorbar(image, ax=axes, label="share of logit difference restored")
-    figure.suptitle(f"activation patching, mean over n = {items} items" + (f" ({model})" if model else ""))
-    return figure
+    return score_maps(list(zip(sites, mean, strict=True)), layers, [c.replace("_", "\n") for c in CLASSES],
+                      f"activation patching, mean over n = {items} items" + (f" ({model})" if model else ""))
 
 
 def _item_figure(entry: dict[str, Any], sites: Sequence[str]) -> Figure:
-    from matplotlib.figure import Figure
-
-    scores, layers = entry["scores"], entry["layers"]
-    positions = scores.shape[2]
-    figure = Figure(figsize=(max(4, 0.6 * positions + 2) * len(sites), max(4, 0.22 * len(layers) + 1.5)),
-                    layout="constrained")
-    axes = figure.subplots(1, len(sites), squeeze=False)[0]
-    for ax, s, site in zip(axes, range(len(sites)), sites, strict=True):
-        image = ax.imshow(scores[s], aspect="auto", origin="lower", cmap="RdBu_r", vmin=-1, vmax=1,
-                          extent=(-0.5, positions - 0.5, layers[0] - 0.5, layers[-1] + 0.5))
-        labels = [token_label(p, a) + ("" if a == b else f"\n{shorten(repr(b), 12)}")
-                  for p, (a, b) in enumerate(entry["tokens"])]
-        ax.set_xticks(range(positions), labels, fontsize=7)
-        ax.set_xlabel("position (clean token; corrupted token below where it differs)")
-        ax.set_ylabel("layer")
-        ax.set_title(site)
-    figure.colorbar(image, ax=axes, label="share of logit difference restored")
+    labels = [token_label(p, a) + ("" if a == b else f"\n{shorten(repr(b), 12)}")
+              for p, (a, b) in enumerate(entry["tokens"])]
     model = entry.get("model")
-    figure.suptitle(f"activation patching, item {entry['item']}" + (f" ({model})" if model else ""))
-    return figure
+    return score_maps(list(zip(sites, entry["scores"], strict=True)), entry["layers"], labels,
+                      f"activation patching, item {entry['item']}" + (f" ({model})" if model else ""),
+                      xlabel="position (clean token; corrupted token below where it differs)", fontsize=7)

@@ -41,10 +41,14 @@ class ModelContext:
     # a mixture of experts (the `router` stage): how many experts each layer has, how many a token takes
     expert_count: int = 0
     experts_per_token: int = 0
+    # Query heads per layer (each layer's `attention_heads` has head h in columns h·head_dim…, head_dim =
+    # its width / head_count); 0 where unknown (a context built by hand).
+    head_count: int = 0
 
     @classmethod
     def from_config(cls, config: Any, model_id: str | None = None, readout: Any = None) -> ModelContext:
-        """Build from a `ModelConfig` (anything with family, architecture, layer_count, hidden_size)."""
+        """Build from a `ModelConfig` (anything with family, architecture, layer_count, hidden_size, and
+        optionally head_count)."""
         return cls(
             family=ModelFamily(config.family),
             model_id=model_id,
@@ -54,6 +58,7 @@ class ModelContext:
             readout=readout,
             expert_count=int(getattr(config, "expert_count", 0)),
             experts_per_token=int(getattr(config, "expert_used_count", 0)),
+            head_count=int(getattr(config, "head_count", 0)),
         )
 
 

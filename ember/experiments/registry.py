@@ -8,6 +8,7 @@ from ember.experiments.activation_stats import ActivationStats
 from ember.experiments.base import Experiment
 from ember.experiments.direct_logit_attribution import DirectLogitAttribution
 from ember.experiments.expert_usage import ExpertUsage
+from ember.experiments.head_patching import HeadPatching
 from ember.experiments.logit_lens import LogitLens
 from ember.experiments.steering import Steering
 from ember.experiments.zero_layer_output import ZeroLayerOutput
@@ -17,6 +18,7 @@ BUILTIN_EXPERIMENTS: dict[str, type[Experiment]] = {
     "zero_layer_output": ZeroLayerOutput,
     "logit_lens": LogitLens,
     "activation_patching": ActivationPatching,
+    "head_patching": HeadPatching,
     "ablation": Ablation,
     "steering": Steering,
     "direct_logit_attribution": DirectLogitAttribution,

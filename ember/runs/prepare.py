@@ -12,6 +12,7 @@ from omegaconf import DictConfig
 
 from ember.errors import EmberError
 from ember.experiments import BUILTIN_EXPERIMENTS
+from ember.experiments.context import ModelContext
 from ember.provenance import canonical_json
 from ember.runconfig import (
     ExperimentSpec,
@@ -68,6 +69,7 @@ def prepare(cfg: DictConfig) -> Prepared:
         tokenizer = Tokenizer.from_gguf(gguf)
     family = getattr(model_config.family, "value", str(model_config.family))
     experiments = build_experiments(run.experiments, BUILTIN_EXPERIMENTS, model_config.layer_count)
+    check_against_model(experiments, ModelContext.from_config(model_config, model_id=model_file.name))
     context = min(run.model.context_length or model_config.context_length, model_config.context_length)
     study = plan_study(run, experiments, tokenizer, model_config.layer_count, context)
     prompt_ids = study.items[0].token_ids if study is not None else prompt_token_ids(run, tokenizer)
@@ -97,6 +99,15 @@ def prepare(cfg: DictConfig) -> Prepared:
     effect_wanted = run.intervention_effect and any(may_write(e) for e in experiments)
     return Prepared(run, plain, model_file, gguf, model_config, tokenizer, experiments, list(prompt_ids),
                     label, name, effect_wanted, study=study)
+
+
+def check_against_model(experiments: Sequence[Any], ctx: ModelContext) -> None:
+    """Let each experiment with a `check_model(ctx)` refuse, before the model is loaded, parameters the
+    model cannot take (e.g. a head index past its heads): a ConfigError, one line."""
+    for experiment in experiments:
+        check = getattr(experiment, "check_model", None)
+        if callable(check):
+            check(ctx)
 
 
 def prompt_token_ids(run: RunConfig, tokenizer: Any) -> list[int]:

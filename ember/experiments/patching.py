@@ -1,0 +1,88 @@
+"""What the patching experiments share (`activation_patching`, `head_patching`): the clean/corrupted
+pairs they take, the logit difference and the share of it a patch restores, the token labels and the
+score maps they draw.
+
+    LD = logit(answer) − logit(wrong answer) at the last position
+    restored = (LD_patched − LD_corrupted) / (LD_clean − LD_corrupted)   (1: the clean behaviour is back)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ember.errors import ConfigError
+from ember.experiments.study import StudyItem
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+SCORE_LABEL = "share of logit difference restored"
+
+
+def check_pairs(items: Sequence[StudyItem], experiment: str) -> None:
+    """Refuse items that are not clean/corrupted pairs of equal token counts with an answer and a wrong
+    answer (ConfigError: one line naming the item and what is wrong)."""
+    for item in items:
+        missing = [f for f in ("corrupted", "answer", "wrong_answer") if getattr(item, f) is None]
+        if missing:
+            what = experiment.replace("_", " ")
+            raise ConfigError(f"item {item.index} has no {', '.join(missing)}; {what} needs "
+                              f"clean/corrupted pairs with an answer and a wrong answer (e.g. data=capitals)")
+        if len(item.corrupted_ids or ()) != len(item.token_ids):
+            raise ConfigError(f"item {item.index}: the corrupted prompt has "
+                              f"{len(item.corrupted_ids or ())} tokens, the clean one "
+                              f"{len(item.token_ids)}; patching needs equal lengths")
+        if tuple(item.corrupted_ids or ()) == tuple(item.token_ids):
+            raise ConfigError(f"item {item.index}: the clean and corrupted prompts are the same tokens")
+
+
+def changed_positions(item: StudyItem) -> np.ndarray:
+    """The positions where the clean and corrupted prompts differ (at least one: `check_pairs`)."""
+    return np.flatnonzero(np.array(item.token_ids) != np.array(item.corrupted_ids))
+
+
+def logit_difference(logits: np.ndarray, item: StudyItem) -> float:
+    """LD of one evaluation's last-position logits [vocab]."""
+    assert item.answer_id is not None and item.wrong_answer_id is not None
+    return float(logits[item.answer_id] - logits[item.wrong_answer_id])
+
+
+def restored(ld: float, ld_clean: float, ld_corrupted: float) -> float:
+    """The share of the logit difference a patch restored; NaN where clean and corrupted agree."""
+    span = ld_clean - ld_corrupted
+    return (ld - ld_corrupted) / span if abs(span) > 1e-6 else math.nan
+
+
+def token_pairs(readout: Any, item: StudyItem) -> list[tuple[str, str]]:
+    """(clean, corrupted) token text per position (the ids where the model offers no readout)."""
+    if readout is None:
+        return [(str(a), str(b)) for a, b in zip(item.token_ids, item.corrupted_ids or (), strict=True)]
+    clean = readout.token_text(item.token_ids)
+    corrupted = readout.token_text(item.corrupted_ids or ())
+    return list(zip(clean, corrupted, strict=True))
+
+
+def score_maps(panels: Sequence[tuple[str, np.ndarray]], layers: Sequence[int], columns: Sequence[str],
+               title: str, xlabel: str = "", fontsize: int = 8) -> Figure:
+    """Maps of restored shares (−1…1, red: restored), one panel per (name, [layers, columns]) array,
+    layers upwards."""
+    from matplotlib.figure import Figure
+
+    width = max(4.0, 0.45 * len(columns) + 2.2)
+    figure = Figure(figsize=(width * len(panels) + 1, max(4, 0.22 * len(layers) + 1.5)), layout="constrained")
+    axes = figure.subplots(1, len(panels), squeeze=False)[0]
+    for ax, (name, scores) in zip(axes, panels, strict=True):
+        image = ax.imshow(scores, aspect="auto", origin="lower", cmap="RdBu_r", vmin=-1, vmax=1,
+                          extent=(-0.5, len(columns) - 0.5, layers[0] - 0.5, layers[-1] + 0.5))
+        ax.set_xticks(range(len(columns)), columns, fontsize=fontsize)
+        if xlabel:
+            ax.set_xlabel(xlabel)
+        ax.set_ylabel("layer")
+        ax.set_title(name)
+    figure.colorbar(image, ax=axes, label=SCORE_LABEL)
+    figure.suptitle(title)
+    return figure
