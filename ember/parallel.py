@@ -102,7 +102,10 @@ class _Backoff:
     Measured on SmolLM2 (Xeon, 2 cores, 2026-12-04; a 48-token decode and nine 5-token evaluations,
     ~3,000 shares): took / (caller alone) had quantiles 10/50/90/99% of 0.51/0.61/1.01/1.01 on the
     idle machine and 1.0/4.7/11.9/21.6 with the other core kept busy. Without the back-off, 2 threads
-    decoded at 0.81-0.94× of 1 thread with a core busy. The clocks cost ~1 µs a share."""
+    decoded at 0.81-0.94× of 1 thread with a core busy. A longer memory (DECAY 0.95, ~20 shares) did no
+    better: with a core busy, 2 threads / 1 of 0.75 in the 5-token evaluation, 0.88 and 0.95 in the
+    prefills, 0.98 in decode and in residual patching (54 pairs), against 0.88, 0.96, 0.96, 0.98 and
+    0.99 with 0.75 (single runs move by ±10% with the host's load). The clocks cost ~1 µs a share."""
 
     MIN_SERIAL = 64
     MAX_SERIAL = 1 << 14  # ~100 decode tokens of SmolLM2: a busy core is tried again every second or so
