@@ -33,8 +33,8 @@ from ember import stages
 from ember.config import MetadataReader, ModelConfig, RopeLayout
 from ember.errors import GGUFError
 from ember.families import llama
-from ember.families.head import final_norm_and_logits, logit_difference, readout_logits
-from ember.families.inside import head_contributions, show_inputs
+from ember.families.head import Readouts, final_norm_and_logits
+from ember.families.inside import show_inputs
 from ember.families.workspace import Workspace
 from ember.gguf_file import GGUFFile
 from ember.kv_cache import LayeredKVCache
@@ -200,7 +200,7 @@ def load_weights(store: WeightStore, config: Gemma3Config) -> Weights:
     )
 
 
-class Gemma3Forward:
+class Gemma3Forward(Readouts):
     """The forward pass of one loaded gemma3 model."""
 
     def __init__(self, config: Gemma3Config, weights: Weights, context_length: int) -> None:
@@ -314,25 +314,6 @@ class Gemma3Forward:
             np.tanh(out, out=out)
             out *= cap
         return out
-
-    def readout(self, hidden_rows: np.ndarray, out: np.ndarray) -> np.ndarray:
-        """Final norm + LM head (+ softcap) over any residual rows (contract v0.2 readout)."""
-        return readout_logits(hidden_rows, self.weights.output_norm, self.config.rms_norm_eps, self.lm_head,
-                              out)
-
-    def head_contributions(self, layer: int, heads: np.ndarray) -> np.ndarray:
-        """Each head's share of layer `layer`'s `after_attention` [heads, T, H] from its `attention_heads`
-        rows: its slice through Wo, then the post-attention norm at the scale of the whole output
-        (`ember.families.inside.head_contributions`; readout, reads weights only)."""
-        layer_weights = self.weights.layers[layer]
-        return head_contributions(heads, self.config.head_count, layer_weights.attn_output,
-                                  layer_weights.post_attention_norm, self.config.rms_norm_eps)
-
-    def logit_difference(self, vectors: np.ndarray, answer: int, foil: int, scale: float | np.ndarray
-                         ) -> np.ndarray:
-        """Direct logit attribution of residual rows at a fixed final-norm scale (readout;
-        `ember.families.head.logit_difference`)."""
-        return logit_difference(vectors, self.weights.output_norm, self.weights.output, answer, foil, scale)
 
 
 def build_forward(config: Gemma3Config, store: WeightStore, context_length: int) -> Gemma3Forward:

@@ -46,8 +46,8 @@ from ember import stages
 from ember.buffers import aligned_zeros
 from ember.config import MetadataReader, ModelConfig, RopeLayout
 from ember.errors import GGUFError
-from ember.families.head import final_norm_and_logits, logit_difference, readout_logits
-from ember.families.inside import head_contributions, show_inputs
+from ember.families.head import Readouts, final_norm_and_logits
+from ember.families.inside import show_inputs
 from ember.families.workspace import head_of
 from ember.gguf_file import GGUFFile
 from ember.kv_cache import LayeredKVCache
@@ -360,7 +360,7 @@ class Workspace:
         return flat[: int(np.prod(shape))].reshape(shape)
 
 
-class Gemma4Forward:
+class Gemma4Forward(Readouts):
     """The forward pass of one loaded Gemma 4 model."""
 
     def __init__(self, config: Gemma4Config, weights: Weights, store: WeightStore) -> None:
@@ -545,25 +545,6 @@ class Gemma4Forward:
             np.tanh(out, out=out)
             out *= np.float32(cap)
         return out
-
-    def readout(self, hidden_rows: np.ndarray, out: np.ndarray) -> np.ndarray:
-        """Final norm + LM head + softcap over any residual rows (contract v0.2 readout)."""
-        return readout_logits(hidden_rows, self.weights.output_norm, self.config.rms_norm_eps, self.lm_head,
-                              out)
-
-    def head_contributions(self, layer: int, heads: np.ndarray) -> np.ndarray:
-        """Each head's share of layer `layer`'s `after_attention` [heads, T, H] from its `attention_heads`
-        rows: its slice through Wo, then the post-attention norm at the scale of the whole output
-        (`ember.families.inside.head_contributions`; readout, reads weights only)."""
-        layer_weights = self.weights.layers[layer]
-        return head_contributions(heads, self.config.head_count, layer_weights.attn_output,
-                                  layer_weights.post_attention_norm, self.config.rms_norm_eps)
-
-    def logit_difference(self, vectors: np.ndarray, answer: int, foil: int, scale: float | np.ndarray
-                         ) -> np.ndarray:
-        """Direct logit attribution of residual rows at a fixed final-norm scale (readout;
-        `ember.families.head.logit_difference`)."""
-        return logit_difference(vectors, self.weights.output_norm, self.weights.output, answer, foil, scale)
 
     def carried(self, layer: int) -> float:
         """The factor a vector added to the residual in layer `layer` (its attention, MLP or PLE output) is

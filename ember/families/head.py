@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from ember.families.inside import head_contributions
 from ember.ops import gather_rows, rms_norm
 
 
@@ -72,3 +73,30 @@ def logit_difference(vectors: np.ndarray, output_norm: np.ndarray, output: Any, 
     gather_rows(output, np.array([answer, foil], np.int64), rows)
     direction = (rows[0].astype(np.float64) - rows[1]) * output_norm
     return np.asarray(vectors, dtype=np.float64) @ direction / scale
+
+
+class Readouts:
+    """A forward pass's read-only readouts (contract v0.2 and the attribution readouts), written once for
+    every family: the final norm and LM head over any rows, each head's contribution to a layer's
+    `after_attention`, and direct logit attribution at a fixed final-norm scale. The forward pass has
+    `config` (head_count, rms_norm_eps), `weights` (output_norm, output, layers[i].attn_output and, where
+    the family norms the attention output before the residual add, layers[i].post_attention_norm) and
+    `lm_head(normed, out)`."""
+
+    def readout(self, hidden_rows: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """Final norm + LM head (with the family's post-processing) over any residual rows."""
+        return readout_logits(hidden_rows, self.weights.output_norm, self.config.rms_norm_eps, self.lm_head,
+                              out)
+
+    def head_contributions(self, layer: int, heads: np.ndarray) -> np.ndarray:
+        """Each head's share of layer `layer`'s `after_attention` [heads, T, H] from its `attention_heads`
+        rows: its slice through Wo, then (Gemma, OLMo 2) the post-attention norm at the scale of the whole
+        output (`ember.families.inside.head_contributions`)."""
+        weights = self.weights.layers[layer]
+        return head_contributions(heads, self.config.head_count, weights.attn_output,
+                                  getattr(weights, "post_attention_norm", None), self.config.rms_norm_eps)
+
+    def logit_difference(self, vectors: np.ndarray, answer: int, foil: int, scale: float | np.ndarray
+                         ) -> np.ndarray:
+        """Direct logit attribution of residual rows at a fixed final-norm scale (`logit_difference`)."""
+        return logit_difference(vectors, self.weights.output_norm, self.weights.output, answer, foil, scale)

@@ -36,8 +36,8 @@ import numpy as np
 from ember import stages
 from ember.config import MetadataReader, ModelConfig, RopeLayout
 from ember.errors import GGUFError
-from ember.families.head import final_norm_and_logits, logit_difference, readout_logits
-from ember.families.inside import checkpoint_order, head_contributions, show_inputs
+from ember.families.head import Readouts, final_norm_and_logits
+from ember.families.inside import checkpoint_order, show_inputs
 from ember.families.workspace import Workspace
 from ember.gguf_file import GGUFFile
 from ember.kv_cache import KVCache
@@ -267,7 +267,7 @@ def load_weights(store: WeightStore, config: ModelConfig) -> Weights:
     )
 
 
-class LlamaForward:
+class LlamaForward(Readouts):
     """The forward pass of one loaded model of the llama block (llama, qwen3, qwen2, granite, smollm3)."""
 
     def __init__(self, config: LlamaConfig, weights: Weights, store: WeightStore,
@@ -390,22 +390,13 @@ class LlamaForward:
             out /= np.float32(self.config.logit_scale)
         return out
 
-    def readout(self, hidden_rows: np.ndarray, out: np.ndarray) -> np.ndarray:
-        """Final norm + LM head over any residual rows (contract v0.2 readout; reads weights only)."""
-        return readout_logits(hidden_rows, self.weights.output_norm, self.config.rms_norm_eps, self.lm_head,
-                              out)
-
     def head_contributions(self, layer: int, heads: np.ndarray) -> np.ndarray:
-        """Each head's share of layer `layer`'s `after_attention` [heads, T, H] from its `attention_heads`
-        rows: its slice through Wo (`ember.families.inside.head_contributions`; readout, reads weights
-        only)."""
-        parts = head_contributions(heads, self.config.head_count, self.weights.layers[layer].attn_output)
-        parts *= np.float32(self.config.residual_scale)  # granite's multiplier is inside after_attention
+        """`Readouts.head_contributions`, times granite's residual multiplier (inside after_attention)."""
+        parts = super().head_contributions(layer, heads)
+        parts *= np.float32(self.config.residual_scale)
         return parts
 
     def logit_difference(self, vectors: np.ndarray, answer: int, foil: int, scale: float | np.ndarray
                          ) -> np.ndarray:
-        """Direct logit attribution of residual rows at a fixed final-norm scale (readout;
-        `ember.families.head.logit_difference`), divided by granite's logit scale as the logits are."""
-        return logit_difference(vectors, self.weights.output_norm, self.weights.output, answer, foil,
-                                scale) / self.config.logit_scale
+        """`Readouts.logit_difference`, divided by granite's logit scale as the logits are."""
+        return super().logit_difference(vectors, answer, foil, scale) / self.config.logit_scale

@@ -30,7 +30,7 @@ from ember import stages
 from ember.errors import GGUFError
 from ember.families import llama
 from ember.families.head import final_norm_and_logits
-from ember.families.inside import head_contributions, show_inputs
+from ember.families.inside import show_inputs
 from ember.families.llama import LlamaConfig
 from ember.families.workspace import Workspace
 from ember.gguf_file import GGUFFile
@@ -127,13 +127,6 @@ class Olmo2Forward(llama.LlamaForward):
         rows.finish()
         return final_norm_and_logits(h, w.output_norm, c.rms_norm_eps, rows, hooks, self.lm_head,
                                      c.vocab_size, all_logits)
-
-    def head_contributions(self, layer: int, heads: np.ndarray) -> np.ndarray:
-        """Each head's share of layer `layer`'s `after_attention` (the post-normed output), at the scale of
-        the whole output's norm, as for Gemma (`ember.experiments.readout`)."""
-        weights = self.weights.layers[layer]
-        return head_contributions(heads, self.config.head_count, weights.attn_output,
-                                  weights.post_attention_norm, self.config.rms_norm_eps)
 
     def post_norm(self, o: np.ndarray, weight: np.ndarray, ws: Workspace) -> np.ndarray:
         """RMSNorm(o, weight) in place (the norm after attention and after the MLP)."""
