@@ -10,7 +10,7 @@ from ember.data import load_prompt_set, parse_data_spec
 from ember.experiments import Experiment
 from ember.experiments.ablation import Ablation
 from ember.experiments.activation_patching import ActivationPatching
-from ember.experiments.logit_lens import LogitLens
+from ember.experiments.logit_lens import LogitLens, _top_k
 from ember.experiments.readout import log_softmax
 from ember.experiments.steering import Steering, make_direction
 from ember.experiments.study import Evaluation
@@ -117,6 +117,17 @@ def test_logit_lens_items_batched_equal_one_at_a_time(smollm2):
     assert sorted(maps_together) == ["item0_target_probs", "item1_target_probs"] == sorted(maps_alone)
     for name, probs in maps_alone.items():
         np.testing.assert_allclose(maps_together[name], probs, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("k", [1, 5, 16, 17, 60])
+def test_logit_lens_top_k_equals_a_stable_sort(k):
+    """Both ways of taking the top k (arg-max passes for small k, a partition above) give the order of a
+    stable descending sort: largest first, equal values by index."""
+    logits = np.random.default_rng(k).standard_normal((7, 3000)).astype(np.float32)
+    logits[2, [10, 20, 30]] = logits[2].max() + 1.0            # a tie at the top
+    logits[4, :] = 0.5                                          # a row of equal values
+    expected = np.argsort(-logits, axis=-1, kind="stable")[:, :k]
+    np.testing.assert_array_equal(_top_k(logits, k), expected)
 
 
 def test_patching_all_positions_restores_everything_and_none_nothing(smollm2):

@@ -190,12 +190,30 @@ class LogitLens(Experiment):
                                 figure_builders=builders)
 
 
+# Up to this k the top tokens are taken by k arg-max passes, above it by a partition. SmolLM2 (30 layers x
+# 49,152 logits per item, 2-core Xeon, loaded): argpartition then a sort of 5 took 27 ms per item, five
+# arg-max passes 3 ms (an arg-max is one vectorised scan; a partition moves every element).
+_ARGMAX_UP_TO = 16
+
+
 def _top_k(logits: np.ndarray, k: int) -> np.ndarray:
-    """Indices of each row's k largest values, largest first (a partition, then a sort of k)."""
+    """Indices of each row's k largest values, largest first; of equal values, the lower index first."""
     k = min(k, logits.shape[-1])
-    part = np.argpartition(-logits, k - 1, axis=-1)[:, :k]
-    order = np.argsort(-np.take_along_axis(logits, part, axis=-1), axis=-1, kind="stable")
-    return np.take_along_axis(part, order, axis=-1)
+    if k > _ARGMAX_UP_TO:
+        kth = -np.partition(-logits, k - 1, axis=-1)[:, k - 1]               # each row's k-th largest
+        top = np.empty((len(logits), k), dtype=np.intp)
+        for r, row in enumerate(logits):
+            above = np.flatnonzero(row > kth[r])
+            chosen = np.concatenate([above, np.flatnonzero(row == kth[r])[:k - len(above)]])
+            top[r] = chosen[np.argsort(-row[chosen], kind="stable")]
+        return top
+    work = np.array(logits, dtype=np.float32 if logits.dtype != np.float64 else np.float64)
+    rows = np.arange(len(work))
+    top = np.empty((len(work), k), dtype=np.intp)
+    for rank in range(k):
+        top[:, rank] = np.argmax(work, axis=-1)
+        work[rows, top[:, rank]] = -np.inf
+    return top
 
 
 def _first_layer_where(hits: np.ndarray, layers: Sequence[int]) -> int:
@@ -211,10 +229,16 @@ def _map_figure(entry: dict[str, Any]) -> Figure:
 
     probs, tops = entry["probs"], entry["tops"]
     layers, positions = probs.shape
-    figure = Figure(figsize=(max(6, 1.1 * positions + 2), max(4, 0.28 * layers + 1.5)), layout="constrained")
-    ax = figure.subplots()
+    width, height = max(6, 1.1 * positions + 2), max(4, 0.28 * layers + 1.5)
+    # Fixed margins in inches instead of a constrained layout, which draws every cell text once more to
+    # measure it (372 texts on SmolLM2: 0.85 s of CPU against 0.55 s with these margins, loaded Xeon).
+    left, right, bottom, top, bar = 0.65, 1.15, 0.8, 0.65, 0.18
+    figure = Figure(figsize=(width, height))
+    tall = 1 - (bottom + top) / height
+    ax = figure.add_axes((left / width, bottom / height, 1 - (left + right) / width, tall))
+    cax = figure.add_axes((1 - (right - 0.15) / width, bottom / height, bar / width, tall))
     image = ax.imshow(probs, aspect="auto", origin="lower", cmap="viridis", vmin=0.0, vmax=1.0)
-    figure.colorbar(image, ax=ax, label="probability of the predicted token")
+    figure.colorbar(image, cax=cax, label="probability of the predicted token")
     if positions <= 24:
         for layer in range(layers):
             for position in range(positions):
