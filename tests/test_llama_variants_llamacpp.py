@@ -1,6 +1,6 @@
-"""The tiny qwen2, olmo2, granite and smollm3 files the tests write load in llama.cpp unchanged, and
-llama.cpp's logits agree with ember's: what these files mean to llama.cpp (granite's multipliers,
-smollm3's fixed no-rope step) is what ember computes.
+"""The tiny qwen2, olmo2, granite, smollm3 and qwen3moe files the tests write load in llama.cpp unchanged,
+and llama.cpp's logits agree with ember's: what these files mean to llama.cpp (granite's multipliers,
+smollm3's fixed no-rope step, qwen3moe's top-k renormalisation) is what ember computes.
 
 As tests/test_gemma4_llamacpp.py: a prefill, then one token at a time; llama.cpp keeps an F16 KV cache,
 so the check is cosine similarity and argmax agreement (docs/families.md §0.4). Skipped where
@@ -55,7 +55,7 @@ def llama_cpp_logits(path) -> np.ndarray:
         llm.close()
 
 
-@pytest.mark.parametrize("family", ["qwen2", "olmo2", "granite", "smollm3"])
+@pytest.mark.parametrize("family", ["qwen2", "olmo2", "granite", "smollm3", "qwen3moe"])
 def test_llama_cpp_loads_the_file_and_agrees(tmp_path, family) -> None:
     from reference import tiny_models
     from reference.gguf_writer import write_gguf
