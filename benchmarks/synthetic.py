@@ -23,7 +23,9 @@ again (`--verify` re-hashes it).
 Facts and where they come from:
 
 * Shapes: the models' Hugging Face config.json files (meta-llama/Llama-3.2-1B, meta-llama/Llama-3.1-8B,
-  Qwen/Qwen3-0.6B, Qwen/Qwen3-4B, google/gemma-4-E2B text_config), read as copies in public repositories.
+  Qwen/Qwen3-0.6B, Qwen/Qwen3-4B, Qwen/Qwen3-30B-A3B, google/gemma-4-E2B text_config), read as copies in
+  public repositories. The Qwen3-30B-A3B plan comes to 18.55 GB of tensors, the size of the released
+  Q4_K_M file (18.6 GB).
 * Metadata keys and generated tensors (`rope_freqs.weight` for Llama 3 rope scaling and for Gemma 4's
   proportional rope): llama.cpp's converter (`conversion/llama.py`, `qwen.py`, `gemma.py`), as written
   up in docs/families.md (§1.3, §3.4) and mirrored by tests/reference/gguf_writer.py and gemma4_gguf.py.
@@ -33,7 +35,8 @@ Facts and where they come from:
   into 256-blocks); `attn_v` Q6_K where use_more_bits(i, n) holds over the attn_v tensors in file order,
   `ffn_down` where it holds over the layer index; use_more_bits(i, n) = i < n/8 or i >= 7n/8 or
   (i - n/8) % 3 == 2; a row that does not split into 256-blocks falls back Q4_K -> Q5_0, Q6_K -> Q8_0;
-  1-D tensors and `*_norm.weight` stay F32 and `per_layer_model_proj` is not quantized (it stays in the
+  1-D tensors, `*_norm.weight` and the routers `ffn_gate_inp` stay F32, `ffn_down_exps` follows the
+  ffn_down rule by its layer (every expert alike), and `per_layer_model_proj` is not quantized (it stays in the
   converted file's type, BF16 for Gemma 4's bf16 checkpoint). Tensors are written in the order
   llama-quantize writes them: by layer (non-layer tensors first), then by name.
 * Vocabulary: llama.cpp's vocab-only GGUFs in tests/data/vocab/ (tokens, scores, types, merges,
@@ -79,7 +82,7 @@ class Shape:
 
     name: str
     title: str
-    architecture: str  # GGUF general.architecture: llama, qwen3, gemma4
+    architecture: str  # GGUF general.architecture: llama, qwen3, qwen3moe, gemma4
     hidden_size: int
     layer_count: int  # num_hidden_layers
     head_count: int  # num_attention_heads
@@ -106,6 +109,10 @@ class Shape:
     rope_base_swa: float = 10_000.0
     partial_rotary: float = 1.0  # full layers' partial_rotary_factor ("proportional" rope)
     softcap: float = 0.0  # final_logit_softcapping
+    # Mixtures of experts (qwen3moe): every layer's FFN is `experts` experts of width `expert_ffn`
+    experts: int = 0  # num_experts
+    experts_used: int = 0  # num_experts_per_tok
+    expert_ffn: int = 0  # moe_intermediate_size
 
     @property
     def first_shared_layer(self) -> int:
@@ -161,6 +168,12 @@ SHAPES: dict[str, Shape] = {
         layer_types=_gemma4_e2b_layers(), sliding_window=512, per_layer_dim=256, shared_kv_layers=20,
         double_wide_mlp=True, rope_base_swa=10_000.0, partial_rotary=0.25, softcap=30.0,
         source="google/gemma-4-E2B config.json text_config"),
+    "qwen3-30b-a3b": Shape(
+        "qwen3-30b-a3b", "Qwen3-30B-A3B", "qwen3moe", hidden_size=2048, layer_count=48, head_count=32,
+        head_count_kv=4, head_dim=128, ffn=6144, vocab="qwen2", vocab_size=151936, tied=False,
+        context_length=40960, rope_base=1_000_000.0, rms_eps=1e-6, experts=128, experts_used=8,
+        expert_ffn=768, special_ids=(("eos", 151645), ("bos", 151643), ("pad", 151643)),
+        source="Qwen/Qwen3-30B-A3B config.json"),
 }
 
 
@@ -209,9 +222,10 @@ def q4_k_m_type(name: str, shape: tuple[int, ...], *, tied: bool, attn_v: tuple[
     """The type llama-quantize gives `name` in a Q4_K_M file (see the module docstring).
 
     `attn_v` is (index among the attn_v tensors, their count) for an attn_v tensor; `layer` is
-    (layer index, layer count) for an ffn_down tensor."""
-    if len(shape) < 2 or name.endswith("_norm.weight"):
-        return Q.F32
+    (layer index, layer count) for an ffn_down tensor (with experts, `ffn_down_exps`: llama-quant.cpp
+    reads the layer from its name, so every expert of a layer gets the layer's type)."""
+    if len(shape) < 2 or name.endswith("_norm.weight") or name.endswith("ffn_gate_inp.weight"):
+        return Q.F32  # vectors, norms and routers stay as converted (F32 here)
     if "per_layer_model_proj" in name:
         return Q.BF16
     columns = shape[-1]
@@ -254,16 +268,23 @@ def _layer_tensors(shape: Shape, i: int) -> Iterator[tuple[str, tuple[int, ...],
     if own:
         yield b + "attn_k.weight", (shape.head_count_kv * hd, H), 0.0
         yield b + "attn_v.weight", (shape.head_count_kv * hd, H), 0.0
-    if shape.architecture in ("qwen3", "gemma4"):
+    if shape.architecture in ("qwen3", "qwen3moe", "gemma4"):
         yield b + "attn_q_norm.weight", (hd,), qk_norm
         if own:
             yield b + "attn_k_norm.weight", (hd,), qk_norm
     yield b + "attn_output.weight", (H, nh * hd), 0.0
-    F = shape.layer_ffn(i)
     yield b + "ffn_norm.weight", (H,), 1.0
-    yield b + "ffn_gate.weight", (F, H), 0.0
-    yield b + "ffn_up.weight", (F, H), 0.0
-    yield b + "ffn_down.weight", (H, F), 0.0
+    if shape.experts:  # 3-D expert tensors, NumPy (experts, rows, columns); the router stays F32
+        E, Fe = shape.experts, shape.expert_ffn
+        yield b + "ffn_gate_inp.weight", (E, H), 0.0
+        yield b + "ffn_gate_exps.weight", (E, Fe, H), 0.0
+        yield b + "ffn_up_exps.weight", (E, Fe, H), 0.0
+        yield b + "ffn_down_exps.weight", (E, H, Fe), 0.0
+    else:
+        F = shape.layer_ffn(i)
+        yield b + "ffn_gate.weight", (F, H), 0.0
+        yield b + "ffn_up.weight", (F, H), 0.0
+        yield b + "ffn_down.weight", (H, F), 0.0
     if shape.architecture == "gemma4":
         yield b + "post_attention_norm.weight", (H,), 1.0
         yield b + "post_ffw_norm.weight", (H,), 1.0
@@ -310,7 +331,8 @@ def tensor_plan(shape: Shape) -> list[TensorPlan]:
     plans = []
     for name, dims, value, values in entries:
         attn_v = (attn_v_names.index(name), len(attn_v_names)) if name in attn_v_names else None
-        layer = (_order_key(name)[0], shape.layer_count) if name.endswith("ffn_down.weight") else None
+        down = name.endswith(("ffn_down.weight", "ffn_down_exps.weight"))
+        layer = (_order_key(name)[0], shape.layer_count) if down else None
         qtype = q4_k_m_type(name, dims, tied=shape.tied, attn_v=attn_v, layer=layer)
         fill = "values" if values else ("const" if len(dims) == 1 else "random")
         plans.append(TensorPlan(name, dims, qtype, fill, value, values))
@@ -478,9 +500,13 @@ def _write_metadata(writer: gguf.GGUFWriter, shape: Shape, seed: int) -> None:
     if shape.architecture == "llama":
         w.add_vocab_size(shape.vocab_size)
         w.add_rope_dimension_count(shape.head_dim)
-    if shape.architecture in ("llama", "qwen3") and shape.config_has_head_dim:
+    if shape.architecture in ("llama", "qwen3", "qwen3moe") and shape.config_has_head_dim:
         w.add_key_length(shape.head_dim)
         w.add_value_length(shape.head_dim)
+    if shape.experts:
+        w.add_expert_count(shape.experts)
+        w.add_expert_used_count(shape.experts_used)
+        w.add_expert_feed_forward_length(shape.expert_ffn)
     if shape.architecture == "gemma4":
         w.add_key_length(shape.head_dim_full)
         w.add_value_length(shape.head_dim_full)

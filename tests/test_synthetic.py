@@ -34,6 +34,9 @@ REDUCED = {
         SHAPES["gemma-4-e2b"], name="gemma4-reduced", hidden_size=256, layer_count=8, head_count=2,
         head_count_kv=1, head_dim=64, head_dim_full=128, ffn=512, per_layer_dim=32, shared_kv_layers=4,
         layer_types=(SLIDING, SLIDING, SLIDING, FULL) * 2, sliding_window=16),
+    "qwen3moe": dataclasses.replace(
+        SHAPES["qwen3-30b-a3b"], name="qwen3moe-reduced", hidden_size=256, layer_count=4, head_count=4,
+        head_count_kv=2, head_dim=64, experts=16, experts_used=4, expert_ffn=256),
 }
 
 
@@ -135,6 +138,24 @@ def test_llama3_rope_factors_follow_the_converter() -> None:
     assert factors.shape == (64,)
     assert factors[0] == 1.0 and factors[-1] == 8.0  # high frequencies kept, low ones divided by 8
     assert np.all(np.diff(factors) >= 0)
+
+
+def test_qwen3_30b_a3b_experts_follow_the_layer_rules_of_llama_quantize() -> None:
+    # llama-quant.cpp reads an expert tensor's layer from its name: ffn_down_exps is Q6_K in the
+    # use_more_bits layers (24 of 48), gate/up experts Q4_K, the routers are never quantized.
+    shape = SHAPES["qwen3-30b-a3b"]
+    types = types_of(shape)
+    more_bits = [i for i in range(48) if i < 6 or i >= 42 or (i - 6) % 3 == 2]
+    assert len(more_bits) == 24
+    for i in range(48):
+        assert types[f"blk.{i}.ffn_down_exps.weight"] == (Q.Q6_K if i in more_bits else Q.Q4_K)
+        assert types[f"blk.{i}.ffn_gate_exps.weight"] == types[f"blk.{i}.ffn_up_exps.weight"] == Q.Q4_K
+        assert types[f"blk.{i}.ffn_gate_inp.weight"] == Q.F32
+        assert f"blk.{i}.ffn_gate.weight" not in types
+    plans = {plan.name: plan for plan in tensor_plan(shape)}
+    assert plans["blk.0.ffn_down_exps.weight"].shape == (128, 2048, 768)
+    assert plans["output.weight"].qtype == Q.Q6_K and plans["token_embd.weight"].qtype == Q.Q4_K
+    assert 18.5e9 < sum(plan.nbytes for plan in plans.values()) < 18.6e9  # the released file: 18.6 GB
 
 
 # ----------------------------------------------------------------------------------------------------
