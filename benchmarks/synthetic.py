@@ -36,8 +36,8 @@ Facts and where they come from:
   `ffn_down` where it holds over the layer index; use_more_bits(i, n) = i < n/8 or i >= 7n/8 or
   (i - n/8) % 3 == 2; a row that does not split into 256-blocks falls back Q4_K -> Q5_0, Q6_K -> Q8_0;
   1-D tensors, `*_norm.weight` and the routers `ffn_gate_inp` stay F32, `ffn_down_exps` follows the
-  ffn_down rule by its layer (every expert alike), and `per_layer_model_proj` is not quantized (it stays in the
-  converted file's type, BF16 for Gemma 4's bf16 checkpoint). Tensors are written in the order
+  ffn_down rule by its layer (every expert alike), and `per_layer_model_proj` is not quantized (it stays
+  in the converted file's type, BF16 for Gemma 4's bf16 checkpoint). Tensors are written in the order
   llama-quantize writes them: by layer (non-layer tensors first), then by name.
 * Vocabulary: llama.cpp's vocab-only GGUFs in tests/data/vocab/ (tokens, scores, types, merges,
   pre-tokenizer, special ids, chat template): `llama-bpe` for Llama 3, `qwen2` (151936 rows, Qwen3's
