@@ -83,12 +83,22 @@ PROMPT_TEXT = (
 )
 
 
+# llama.cpp's variants: `no-repack` keeps every weight in the mapped file (use_extra_bufts off). By
+# default its CPU backend copies the weights it can interleave into buffers of its own, on top of the
+# mapped file: Qwen3-30B-A3B (18.6 GB) went past 22.4 GiB resident that way and was stopped (2026-12-04),
+# where without the copies it ran in 17.4 GiB.
+LLAMA_CPP_VARIANTS = ("no-repack",)
+
+
 def parse_engine(spec: str) -> tuple[str, str | None]:
-    """'ember:float32' -> ('ember', 'float32'); 'llama.cpp' -> ('llama.cpp', None)."""
+    """'ember:float32' -> ('ember', 'float32'); 'llama.cpp' -> ('llama.cpp', None);
+    'llama.cpp:no-repack' -> ('llama.cpp', 'no-repack')."""
     kind, _, weights = spec.partition(":")
-    if kind not in ENGINES or (weights and (kind != "ember" or weights not in EMBER_WEIGHTS)):
+    variants = {"ember": EMBER_WEIGHTS, "llama.cpp": LLAMA_CPP_VARIANTS}.get(kind, ())
+    if kind not in ENGINES or (weights and weights not in variants):
         raise ValueError(f"unknown engine {spec!r}; choose from {', '.join(ENGINES)}, "
-                         + ", ".join(f"ember:{w}" for w in EMBER_WEIGHTS))
+                         + ", ".join(f"ember:{w}" for w in EMBER_WEIGHTS)
+                         + ", ".join(f", llama.cpp:{v}" for v in LLAMA_CPP_VARIANTS))
     return kind, weights or None
 
 
@@ -147,6 +157,17 @@ class LlamaCppEngine:
 
         self._numpy = numpy
         batch = max(512, max(job["prompt_lengths"]))
+        repack = job.get("ember_weights") != "no-repack"  # the variant travels in the weights field
+        if not repack:
+            default_params = llama_cpp.llama_model_default_params
+
+            def without_repacking() -> Any:
+                params = default_params()
+                params.use_extra_bufts = False
+                return params
+
+            llama_cpp.llama_model_default_params = without_repacking
+            llama_cpp.llama.llama_cpp.llama_model_default_params = without_repacking
         start = time.perf_counter()
         self.llm = llama_cpp.Llama(
             model_path=job["gguf"],
@@ -160,7 +181,7 @@ class LlamaCppEngine:
         self.load_seconds = time.perf_counter() - start
         self.vocab_size = self.llm.n_vocab()
         self.details = {"version": llama_cpp.__version__, "n_batch": batch, "flash_attn": False,
-                        "system_info": llama_cpp.llama_print_system_info().decode(errors="replace")}
+                        "repack": repack, "system_info": llama_cpp.llama_print_system_info().decode(errors="replace")}
 
     def _next_token(self) -> int:
         pointer = self.llm._ctx.get_logits_ith(-1)

@@ -15,6 +15,7 @@ from ember.quant.matrix import (
     TRANSPOSED_BELOW_AVX512,
     QuantizedMatrix,
     StackedMatrix,
+    multiply_each,
     tile_rows,
 )
 
@@ -140,6 +141,31 @@ def test_decode_and_short_prompt_products_do_not_depend_on_the_threads(monkeypat
         assert all(np.array_equal(results[0], other) for other in results[1:])
         expected = x.astype(np.float64) @ weight.T
         assert np.abs(results[0] - expected).max() <= 1e-6 * np.abs(expected).max()
+
+
+def test_products_multiplied_each_in_one_share_equal_each_matmul(monkeypatch):
+    # A mixture of experts' step: several weights, each over its own rows (one row, a few, none, more
+    # than SMALL_BATCH, a stack spanning two kernel calls), in one share: every output as W.matmul
+    # gives it, bit for bit, whatever the threads.
+    import ember.quant.matrix as matrix_module
+
+    monkeypatch.setattr(matrix_module, "PIECE_VALUES", 16 * 256)
+    monkeypatch.setattr(matrix_module, "SHARED_FROM", 1)  # shared even at these sizes
+    columns = 256
+    single = [QuantizedMatrix(f"e{i}", random_encoded(qtype, 40 + 8 * i, columns), int(qtype),
+                              (40 + 8 * i, columns)) for i, qtype in enumerate((Q.Q4_K, Q.Q6_K, Q.Q8_0))]
+    stack = StackedMatrix([QuantizedMatrix(f"s{i}", random_encoded(Q.Q4_K, 24, columns), int(Q.Q4_K),
+                                           (24, columns)) for i in range(4)])
+    weights = [*single, stack, single[0]]
+    counts = [1, 3, 0, 5, SMALL_BATCH + 2]
+    xs = [RNG.standard_normal((n, columns)).astype(np.float32) for n in counts]
+    expected = [w.matmul(x, np.empty((len(x), w.shape[0]), np.float32)) for w, x in zip(weights, xs)]
+    for threads in (1, 2, 3):
+        outs = [np.full((len(x), w.shape[0]), np.nan, np.float32) for w, x in zip(weights, xs)]
+        with compute_threads(threads):
+            multiply_each(list(zip(weights, xs, outs, strict=True)))
+        for out, want in zip(outs, expected, strict=True):
+            assert np.array_equal(out, want)
 
 
 def test_decoders_never_read_past_their_row():

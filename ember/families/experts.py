@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from ember.buffers import aligned_zeros
 from ember.ops import linear, silu_inplace
 
 # llama.cpp clamps the sum of the chosen probabilities to the smallest normal float16 before dividing
@@ -43,31 +44,56 @@ def route(logits: np.ndarray, top_k: int) -> tuple[np.ndarray, np.ndarray]:
     return chosen, weights.astype(np.float32, copy=False)
 
 
+class ExpertScratch:
+    """`mixture`'s buffers for up to `pairs` (row, chosen expert) pairs (rows × experts per row): the
+    rows gathered by expert, their gate/up products, the SwiGLU scratch and the experts' outputs."""
+
+    def __init__(self, pairs: int, hidden: int, width: int) -> None:
+        self.inputs = aligned_zeros((pairs, hidden))
+        self.gate_up = aligned_zeros((pairs, 2 * width))
+        self.scratch = aligned_zeros((pairs, width))
+        self.outputs = aligned_zeros((pairs, hidden))
+        self.by_row = aligned_zeros((pairs, hidden))
+
+
 def mixture(y: np.ndarray, chosen: np.ndarray, weights: np.ndarray, gate_up: Sequence[Any],
-            down: Sequence[Any], ws: Any, out: np.ndarray) -> np.ndarray:
+            down: Sequence[Any], scratch: ExpertScratch, out: np.ndarray) -> np.ndarray:
     """out = Σⱼ weights[:, j] · expert chosen[:, j](y), each expert's SwiGLU (gate rows then up rows
-    stacked in `gate_up[e]`, `down[e]`) multiplied once over the rows routed to it. Scratch: ws.rows_in
-    [T, H], ws.gate_up [T, 2F], ws.mlp_scratch [T, F], ws.expert_output [T, H]."""
+    stacked in `gate_up[e]`, `down[e]`) multiplied once over the rows routed to it, the chosen experts'
+    products of a step shared among the threads at once (`matrix.multiply_each`: on the Qwen3-30B-A3B
+    shape, one share per expert made decode wait on 16 wake-ups a layer). The sum runs over the slots
+    j in order, as llama.cpp's."""
     out[...] = 0.0
     if chosen.size == 0:  # a batch's layer that no sequence has reached yet
         return out
-    F = ws.mlp_scratch.shape[1]
+    T, k = chosen.shape
+    F = scratch.scratch.shape[1]
     order = np.argsort(chosen, axis=None, kind="stable")  # (row, slot) pairs grouped by expert
     experts = chosen.reshape(-1)[order]
-    starts = np.flatnonzero(np.r_[True, experts[1:] != experts[:-1]])
-    stops = np.r_[starts[1:], len(order)]
-    for start, stop in zip(starts.tolist(), stops.tolist(), strict=True):
-        expert = int(experts[start])
-        pairs = order[start:stop]
-        rows, slots = pairs // chosen.shape[1], pairs % chosen.shape[1]
-        n = len(rows)
-        x = ws.rows_in[:n]
-        np.take(y, rows, axis=0, out=x, mode="clip")  # valid rows; "raise" would copy via a temporary
-        gate_up_rows = linear(x, gate_up[expert], ws.gate_up[:n])
-        gate, up = gate_up_rows[:, :F], gate_up_rows[:, F:]
-        silu_inplace(gate, ws.mlp_scratch[:n])
-        gate *= up
-        product = linear(gate, down[expert], ws.expert_output[:n])
-        product *= weights[rows, slots][:, None]
-        out[rows] += product  # each row takes an expert at most once: no repeated index
-    return out
+    starts = np.flatnonzero(np.r_[True, experts[1:] != experts[:-1]]).tolist()
+    stops = [*starts[1:], len(order)]
+    pairs = len(order)
+    x = scratch.inputs[:pairs]
+    np.take(y, order // k, axis=0, out=x, mode="clip")  # valid rows; "raise" would copy via a temporary
+    gate_up_rows, products = scratch.gate_up[:pairs], scratch.outputs[:pairs]
+    _multiply_each([(gate_up[int(experts[a])], x[a:b], gate_up_rows[a:b]) for a, b in zip(starts, stops)])
+    gate, up = gate_up_rows[:, :F], gate_up_rows[:, F:]
+    silu_inplace(gate, scratch.scratch[:pairs])
+    gate *= up
+    _multiply_each([(down[int(experts[a])], gate[a:b], products[a:b]) for a, b in zip(starts, stops)])
+    products *= weights.reshape(-1)[order][:, None]
+    by_row = scratch.by_row[:pairs]
+    by_row[order] = products  # back to (row, slot) order
+    return np.sum(by_row.reshape(T, k, -1), axis=1, out=out)
+
+
+def _multiply_each(products: list[tuple[Any, np.ndarray, np.ndarray]]) -> None:
+    """out = x Wᵀ for each (W, x, out): quantized experts through `matrix.multiply_each` (imported here:
+    the kernels, and numba with them, load only in quantized mode), float32 ones one by one."""
+    if products and not isinstance(products[0][0], np.ndarray):
+        from ember.quant.matrix import multiply_each
+
+        multiply_each(products)
+        return
+    for weight, x, out in products:
+        linear(x, weight, out)

@@ -33,7 +33,7 @@ from ember.buffers import aligned_zeros
 from ember.config import MetadataReader
 from ember.errors import GGUFError
 from ember.families import llama
-from ember.families.experts import mixture, route
+from ember.families.experts import ExpertScratch, mixture, route
 from ember.families.head import final_norm_and_logits
 from ember.families.workspace import Workspace
 from ember.gguf_file import GGUFFile
@@ -139,14 +139,14 @@ def load_weights(store: WeightStore, config: Qwen3MoeConfig) -> llama.Weights:
 
 
 class MoeWorkspace(Workspace):
-    """llama's buffers (gate_up and mlp_scratch one expert wide) plus the router's logits and the rows
-    routed to one expert, in and out."""
+    """llama's buffers plus the router's logits and the mixture's buffers for every (row, chosen
+    expert) pair."""
 
     def __init__(self, config: Qwen3MoeConfig, rows: int, max_keys: int) -> None:
         super().__init__(config, rows, max_keys)
         self.router_logits = aligned_zeros((rows, config.expert_count))
-        self.rows_in = aligned_zeros((rows, config.hidden_size))
-        self.expert_output = aligned_zeros((rows, config.hidden_size))
+        self.experts = ExpertScratch(rows * config.expert_used_count, config.hidden_size,
+                                     config.feed_forward_length)
 
 
 class Qwen3MoeForward(llama.LlamaForward):
@@ -175,7 +175,7 @@ class Qwen3MoeForward(llama.LlamaForward):
             if "router" in listened:
                 hooks.router(i, logits)
             chosen, weights = route(logits, c.expert_used_count)
-            m = mixture(y, chosen, weights, layer.expert_gate_up, layer.expert_down, ws, ws.mlp_output)
+            m = mixture(y, chosen, weights, layer.expert_gate_up, layer.expert_down, ws.experts, ws.mlp_output)
             hooks.after_mlp(i, m)
             h += m
             hooks.after_layer(i, h)

@@ -166,6 +166,46 @@ def _small_batch(groups: list[KernelGroup], x: np.ndarray, out: np.ndarray) -> n
     return out
 
 
+def multiply_each(products: Sequence[tuple[object, np.ndarray, np.ndarray]]) -> None:
+    """out = x Wᵀ for every (W, x, out) of `products`, the few-row products (below SMALL_BATCH rows, W
+    quantized) in one share among the threads: each thread goes through all of them, taking pieces of
+    each through its own counter, so the products cost one wake-up and one wait instead of one each
+    (a mixture of experts' step: the chosen experts, each over its own rows). The values are those of
+    `W.matmul(x, out)` (the same kernels, row for row); wider or float32 products go there. `out` must
+    be C-contiguous."""
+    calls = []  # (kernel group, x, out, piece, one row)
+    pieces = work = 0
+    for weight, x, out in products:
+        groups = getattr(weight, "_groups", None)
+        if x.shape[0] == 0:
+            continue
+        if groups is None or x.shape[0] >= SMALL_BATCH:
+            linear(x, weight, out)
+            continue
+        single = x.shape[0] == 1
+        piece = max(16, PIECE_VALUES // x.shape[1] // 16 * 16) if single else max(4, PIECE_VALUES // x.size)
+        rows = np.ascontiguousarray(x)
+        calls.extend((group, rows, out, piece, single) for group in groups)
+        pieces += -(-out.shape[1] // piece) * len(groups)
+        work += out.shape[1] * x.size
+    if not calls:
+        return
+    counters = np.zeros((len(calls), 1), np.int64)
+
+    def run(_: int) -> None:
+        for (group, x, out, piece, single), counter in zip(calls, counters, strict=True):
+            if single:
+                kernels.matvec(*group, x[0], out[0], kernels.F16_TABLE, counter, piece)
+            else:
+                kernels.matmul_rows(*group, x, out, kernels.F16_TABLE, HALF, counter, piece)
+
+    workers = parallel.workers(pieces) if work >= SHARED_FROM else 1
+    if workers <= 1:
+        run(0)
+    else:
+        parallel.share(run, workers, blas=False, on=workers)
+
+
 def _scratch_buffer(name: str, values: int) -> np.ndarray:
     """This thread's scratch `name` (decoded tiles, transposed products), grown on demand and reused,
     cache-line aligned (`ember.buffers`)."""
