@@ -181,7 +181,8 @@ class LlamaCppEngine:
         self.load_seconds = time.perf_counter() - start
         self.vocab_size = self.llm.n_vocab()
         self.details = {"version": llama_cpp.__version__, "n_batch": batch, "flash_attn": False,
-                        "repack": repack, "system_info": llama_cpp.llama_print_system_info().decode(errors="replace")}
+                        "repack": repack,
+                        "system_info": llama_cpp.llama_print_system_info().decode(errors="replace")}
 
     def _next_token(self) -> int:
         pointer = self.llm._ctx.get_logits_ith(-1)

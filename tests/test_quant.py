@@ -159,9 +159,10 @@ def test_products_multiplied_each_in_one_share_equal_each_matmul(monkeypatch):
     weights = [*single, stack, single[0]]
     counts = [1, 3, 0, 5, SMALL_BATCH + 2]
     xs = [RNG.standard_normal((n, columns)).astype(np.float32) for n in counts]
-    expected = [w.matmul(x, np.empty((len(x), w.shape[0]), np.float32)) for w, x in zip(weights, xs)]
+    expected = [w.matmul(x, np.empty((len(x), w.shape[0]), np.float32))
+                for w, x in zip(weights, xs, strict=True)]
     for threads in (1, 2, 3):
-        outs = [np.full((len(x), w.shape[0]), np.nan, np.float32) for w, x in zip(weights, xs)]
+        outs = [np.full((len(x), w.shape[0]), np.nan, np.float32) for w, x in zip(weights, xs, strict=True)]
         with compute_threads(threads):
             multiply_each(list(zip(weights, xs, outs, strict=True)))
         for out, want in zip(outs, expected, strict=True):

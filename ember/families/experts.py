@@ -76,11 +76,12 @@ def mixture(y: np.ndarray, chosen: np.ndarray, weights: np.ndarray, gate_up: Seq
     x = scratch.inputs[:pairs]
     np.take(y, order // k, axis=0, out=x, mode="clip")  # valid rows; "raise" would copy via a temporary
     gate_up_rows, products = scratch.gate_up[:pairs], scratch.outputs[:pairs]
-    _multiply_each([(gate_up[int(experts[a])], x[a:b], gate_up_rows[a:b]) for a, b in zip(starts, stops)])
+    groups = list(zip(starts, stops, strict=True))  # each expert's pairs: a contiguous run a…b−1
+    _multiply_each([(gate_up[int(experts[a])], x[a:b], gate_up_rows[a:b]) for a, b in groups])
     gate, up = gate_up_rows[:, :F], gate_up_rows[:, F:]
     silu_inplace(gate, scratch.scratch[:pairs])
     gate *= up
-    _multiply_each([(down[int(experts[a])], gate[a:b], products[a:b]) for a, b in zip(starts, stops)])
+    _multiply_each([(down[int(experts[a])], gate[a:b], products[a:b]) for a, b in groups])
     products *= weights.reshape(-1)[order][:, None]
     by_row = scratch.by_row[:pairs]
     by_row[order] = products  # back to (row, slot) order

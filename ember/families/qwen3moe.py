@@ -175,7 +175,8 @@ class Qwen3MoeForward(llama.LlamaForward):
             if "router" in listened:
                 hooks.router(i, logits)
             chosen, weights = route(logits, c.expert_used_count)
-            m = mixture(y, chosen, weights, layer.expert_gate_up, layer.expert_down, ws.experts, ws.mlp_output)
+            m = mixture(y, chosen, weights, layer.expert_gate_up, layer.expert_down, ws.experts,
+                        ws.mlp_output)
             hooks.after_mlp(i, m)
             h += m
             hooks.after_layer(i, h)
