@@ -109,6 +109,8 @@ class Shape:
     rope_base_swa: float = 10_000.0
     partial_rotary: float = 1.0  # full layers' partial_rotary_factor ("proportional" rope)
     softcap: float = 0.0  # final_logit_softcapping
+    head_count_kv_full: int = 0  # num_global_key_value_heads (0: head_count_kv on every layer)
+    k_eq_v: bool = False  # attention_k_eq_v: full layers have no attn_v (V is the raw K projection)
     # Mixtures of experts (qwen3moe): every layer's FFN is `experts` experts of width `expert_ffn`
     experts: int = 0  # num_experts
     experts_used: int = 0  # num_experts_per_tok
@@ -124,6 +126,10 @@ class Shape:
     def layer_head_dim(self, layer: int) -> int:
         return self.head_dim_full if self.is_full(layer) else self.head_dim
 
+    def layer_kv_heads(self, layer: int) -> int:
+        full = self.head_count_kv_full and self.is_full(layer)
+        return self.head_count_kv_full if full else self.head_count_kv
+
     def owns_kv(self, layer: int) -> bool:
         return layer < self.first_shared_layer
 
@@ -136,6 +142,10 @@ class Shape:
 
 def _gemma4_e2b_layers() -> tuple[str, ...]:
     return tuple(FULL if i % 5 == 4 else SLIDING for i in range(35))  # full at 4, 9, ..., 34
+
+
+def _gemma4_26b_layers() -> tuple[str, ...]:
+    return tuple(FULL if i % 6 == 5 else SLIDING for i in range(30))  # (s x 5, F) x 5
 
 
 SHAPES: dict[str, Shape] = {
@@ -168,6 +178,14 @@ SHAPES: dict[str, Shape] = {
         layer_types=_gemma4_e2b_layers(), sliding_window=512, per_layer_dim=256, shared_kv_layers=20,
         double_wide_mlp=True, rope_base_swa=10_000.0, partial_rotary=0.25, softcap=30.0,
         source="google/gemma-4-E2B config.json text_config"),
+    "gemma-4-26b-a4b": Shape(
+        "gemma-4-26b-a4b", "Gemma-4-26B-A4B", "gemma4", hidden_size=2816, layer_count=30, head_count=16,
+        head_count_kv=8, head_dim=256, ffn=2112, vocab="gemma-4", vocab_size=262144, tied=True,
+        context_length=262144, rope_base=1_000_000.0, rms_eps=1e-6, head_dim_full=512,
+        layer_types=_gemma4_26b_layers(), sliding_window=1024, rope_base_swa=10_000.0, partial_rotary=0.25,
+        softcap=30.0, head_count_kv_full=2, k_eq_v=True, experts=128, experts_used=8, expert_ffn=704,
+        source="google/gemma-4-26B-A4B config.json text_config; metadata as in llama.cpp's "
+               "ggml-vocab-gemma-4.gguf (the 26B-A4B's own)"),
     "qwen3-30b-a3b": Shape(
         "qwen3-30b-a3b", "Qwen3-30B-A3B", "qwen3moe", hidden_size=2048, layer_count=48, head_count=32,
         head_count_kv=4, head_dim=128, ffn=6144, vocab="qwen2", vocab_size=151936, tied=False,
@@ -266,16 +284,27 @@ def _layer_tensors(shape: Shape, i: int) -> Iterator[tuple[str, tuple[int, ...],
     yield b + "attn_q.weight", (nh * hd, H), 0.0
     own = shape.owns_kv(i)
     if own:
-        yield b + "attn_k.weight", (shape.head_count_kv * hd, H), 0.0
-        yield b + "attn_v.weight", (shape.head_count_kv * hd, H), 0.0
+        kv = shape.layer_kv_heads(i)
+        yield b + "attn_k.weight", (kv * hd, H), 0.0
+        if not (shape.k_eq_v and shape.is_full(i)):
+            yield b + "attn_v.weight", (kv * hd, H), 0.0
     if shape.architecture in ("qwen3", "qwen3moe", "gemma4"):
         yield b + "attn_q_norm.weight", (hd,), qk_norm
         if own:
             yield b + "attn_k_norm.weight", (hd,), qk_norm
     yield b + "attn_output.weight", (H, nh * hd), 0.0
     yield b + "ffn_norm.weight", (H,), 1.0
-    if shape.experts:  # 3-D expert tensors, NumPy (experts, rows, columns); the router stays F32
-        E, Fe = shape.experts, shape.expert_ffn
+    E, Fe = shape.experts, shape.expert_ffn
+    if shape.experts and shape.architecture == "gemma4":  # the dense FFN (below) beside the experts
+        yield b + "ffn_gate_inp.weight", (E, H), 0.0
+        yield b + "ffn_gate_inp.scale", (H,), 1.0
+        yield b + "ffn_gate_up_exps.weight", (E, 2 * Fe, H), 0.0
+        yield b + "ffn_down_exps.weight", (E, H, Fe), 0.0
+        yield b + "ffn_down_exps.scale", (E,), 1.0
+        yield b + "pre_ffw_norm_2.weight", (H,), 1.0
+        yield b + "post_ffw_norm_1.weight", (H,), 1.0
+        yield b + "post_ffw_norm_2.weight", (H,), 1.0
+    if shape.experts and shape.architecture != "gemma4":  # 3-D experts, NumPy (experts, rows, columns)
         yield b + "ffn_gate_inp.weight", (E, H), 0.0
         yield b + "ffn_gate_exps.weight", (E, Fe, H), 0.0
         yield b + "ffn_up_exps.weight", (E, Fe, H), 0.0
@@ -493,7 +522,10 @@ def _write_metadata(writer: gguf.GGUFWriter, shape: Shape, seed: int) -> None:
     else:
         w.add_feed_forward_length(shape.ffn)
     w.add_head_count(shape.head_count)
-    w.add_head_count_kv(shape.head_count_kv)
+    if shape.head_count_kv_full:
+        w.add_head_count_kv([shape.layer_kv_heads(i) for i in range(L)])
+    else:
+        w.add_head_count_kv(shape.head_count_kv)
     w.add_rope_freq_base(shape.rope_base)
     w.add_layer_norm_rms_eps(shape.rms_eps)
     w.add_file_type(int(gguf.LlamaFileType.MOSTLY_Q4_K_M))

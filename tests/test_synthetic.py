@@ -158,6 +158,26 @@ def test_qwen3_30b_a3b_experts_follow_the_layer_rules_of_llama_quantize() -> Non
     assert 18.5e9 < sum(plan.nbytes for plan in plans.values()) < 18.6e9  # the released file: 18.6 GB
 
 
+def test_gemma4_26b_a4b_has_experts_beside_the_dense_ffn_and_no_v_on_full_layers() -> None:
+    # attention_k_eq_v: the 5 full layers have no attn_v (and 2 KV heads of 512); the 704- and 2112-wide
+    # down projections do not split into 256-blocks, so Q4_K/Q6_K fall back to Q5_0/Q8_0 by layer.
+    shape = SHAPES["gemma-4-26b-a4b"]
+    plans = {plan.name: plan for plan in tensor_plan(shape)}
+    full = [i for i in range(30) if shape.is_full(i)]
+    assert full == [5, 11, 17, 23, 29]
+    more_bits = [i for i in range(30) if i < 3 or i >= 26 or (i - 3) % 3 == 2]
+    for i in range(30):
+        assert (f"blk.{i}.attn_v.weight" in plans) == (i not in full)
+        kv, hd = (2, 512) if i in full else (8, 256)
+        assert plans[f"blk.{i}.attn_k.weight"].shape == (kv * hd, 2816)
+        down = Q.Q8_0 if i in more_bits else Q.Q5_0
+        assert plans[f"blk.{i}.ffn_down_exps.weight"].qtype == plans[f"blk.{i}.ffn_down.weight"].qtype == down
+        assert plans[f"blk.{i}.ffn_gate_up_exps.weight"].shape == (128, 2 * 704, 2816)
+        assert plans[f"blk.{i}.ffn_gate_up_exps.weight"].qtype == Q.Q4_K
+        assert plans[f"blk.{i}.ffn_down_exps.scale"].qtype == Q.F32
+        assert plans[f"blk.{i}.ffn_gate_inp.weight"].qtype == Q.F32
+
+
 # ----------------------------------------------------------------------------------------------------
 # Both engines load the files and agree on them.
 
