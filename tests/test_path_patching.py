@@ -10,7 +10,8 @@ random Qwen3 (4 query heads over 2 KV heads, head_dim 32, QK-norm):
   |Δ| / max |reference|, as tests/test_head_patching.py) and the scores (over the clean–corrupted gap)
   within 1e-4;
 * identities: the last layer's heads as senders to the logits are a plain patched run (their direct
-  effect); receivers before every sender score exactly 0;
+  effect); every head as a sender to the logits gives the corrupted run's logits (score −1; also on
+  SmolLM2 IOI items, slow); receivers before every sender score exactly 0;
 * bad parameters end the run with one line naming the parameter.
 """
 
@@ -24,12 +25,14 @@ import numpy as np
 import pytest
 
 from ember import run as runner
+from ember.data import load_prompt_set, parse_data_spec
 from ember.errors import ConfigError
 from ember.experiments import Experiment
 from ember.experiments.context import ExecutionPhase
 from ember.experiments.path_patching import PathPatching
 from ember.experiments.study import StudyItem
-from ember.runs.study import run_item
+from ember.runs.study import run_item, run_items
+from ember.runs.study_plan import study_item
 
 TOLERANCE = 1e-4
 CLEAN = (40, 71, 100, 33, 259, 120, 87, 66, 200, 5)
@@ -240,6 +243,32 @@ def test_the_last_layers_heads_to_the_logits_are_their_direct_effect(tiny):
     assert abs(ld_patched - ld_clean) > 1e-3
     assert abs(result.values["logit_diff_patched"] - ld_patched) <= 1e-5 * abs(ld_patched)
     assert abs(result.values["logit_diff_clean"] - ld_clean) <= 1e-5 * abs(ld_clean)
+
+
+def every_head_to_the_logits(model: Any, items: list[StudyItem]) -> np.ndarray:
+    config = model.config
+    patching = PathPatching(senders=[[layer, head] for layer in range(config.layer_count)
+                                     for head in range(config.head_count)])
+    results = run_items(model, patching, items)
+    return np.array([result.values["score"] for result in results])
+
+
+def test_every_head_to_the_logits_is_the_corrupted_run(tiny):
+    """Every head's output corrupted, the MLPs recomputed: the last position's residual is the corrupted
+    run's (the embedding there is the same token), so the score is −1."""
+    _, model, item = tiny
+    scores = every_head_to_the_logits(model, [item])
+    print(f"\n  every head → logits: {scores[0]:.7f}")
+    assert abs(scores[0] + 1.0) <= 1e-5
+
+
+@pytest.mark.slow
+def test_every_head_to_the_logits_is_the_corrupted_run_smollm2(smollm2):
+    prompts = load_prompt_set(parse_data_spec({"path": "ember:ioi.jsonl", "limit": 4}))
+    items = [study_item(i, item, smollm2.tokenizer) for i, item in enumerate(prompts.items)]
+    scores = every_head_to_the_logits(smollm2, items)
+    print(f"\n  SmolLM2, every head → logits: {scores}")
+    assert np.abs(scores + 1.0).max() <= 1e-4
 
 
 def test_receivers_before_the_senders_score_zero(tiny):
