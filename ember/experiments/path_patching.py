@@ -32,17 +32,19 @@ layer likewise).
 
 Grouped-query attention: keys and values belong to a KV head read by several query heads. A receiver's
 `k` or `v` means its own (TransformerLens' `ungroup_grouped_query_attention`): run 3 writes the KV head's
-keys or values and puts the clean output back into the other query heads that read that KV head and are
-not receivers themselves. That is exact where those heads would be clean anyway: receivers of one layer.
-`k`/`v` receivers in several layers whose KV heads are shared with heads that are not receivers are
-refused (one line).
+keys or values, and the other query heads reading that KV head ("bystanders", not receivers themselves)
+get back the output they have without the write. At the first receiver layer that is the clean run's
+output. At a later receiver layer with bystanders it depends on the receivers below, so run 3 becomes a
+chain: a run patched below that layer and not at it gives the bystanders' outputs, then a run reusing it
+from that layer on patches there and puts them back (one more run per such layer).
 
 Modes: `senders` a list of heads `[[layer, head], ...]` patched together (one score per item), or `all`:
 every head as a sender of its own (a layers × heads map of scores).
 
 Batched with prefix reuse: runs 2 and 3 start from the clean run's saved state at the first changed
 position and at the first layer they change (run 2: the first sender's or receiver's layer; run 3: the
-first receiver's layer), all senders' runs of an item (and several items') in one batch.
+first receiver's layer, each later run of a chain its predecessor from the layer it changes), all
+senders' runs of an item (and several items') in one batch.
 
 Results: per item the clean, corrupted and (fixed senders) patched logit differences and the `score`;
 with `senders=all` the lowest score per layer (`score.min`, a series), the mean layers × heads map
@@ -117,6 +119,8 @@ class PathPatching(Experiment):
         self._groups: list[tuple[Head, ...]] = []
         self._recorded: dict[tuple[str, int, int], np.ndarray] = {}  # (run, item, layer) → heads
         self._sent: dict[tuple[int, int, int], np.ndarray] = {}      # (item, group, layer) → receiver inputs
+        self._held: dict[tuple[int, int, int], np.ndarray] = {}      # (item, group, link) → bystanders' heads
+        self._chain: list[int] = []  # the layers run 3's links start at (module docstring)
         self._scores: list[np.ndarray] = []                         # per item [groups]
         self._maps: list[tuple[int, np.ndarray]] = []
         self._passes = 0
@@ -164,14 +168,17 @@ class PathPatching(Experiment):
                     if sender_layer == layer:
                         columns = self._columns(head)
                         values[span.rows, columns] = corrupted[:, columns]
-            elif tag[0] == "receive" and self.channel in ("k", "v"):
-                restore = self._bystanders(layer)
-                if restore:
+            elif tag[0] == "receive" and self.channel in ("k", "v"):  # ("receive", item, group, link)
+                item, group, link = tag[1:]
+                if link + 1 < len(self._chain) and layer == self._chain[link + 1]:  # not patched here
+                    self._held[(item, group, link)] = heads.values()[span.rows].copy()
+                elif layer == self._chain[link] and self._bystanders(layer):
+                    held = (self._recorded[("clean", item, layer)][span.start_position:] if link == 0
+                            else self._held.pop((item, group, link - 1)))
                     values = heads.values_mut()
-                    clean = self._recorded[("clean", tag[1], layer)][span.start_position:]
-                    for head in restore:
+                    for head in self._bystanders(layer):
                         columns = self._columns(head)
-                        values[span.rows, columns] = clean[:, columns]
+                        values[span.rows, columns] = held[:, columns]
 
     def _receiver_inputs(self, ctx: LayerContext, tensor: TensorAccess) -> None:
         """The receivers' channel (bound as `attention_queries`, `_keys` or `_values`): recorded in run 2,
@@ -189,7 +196,7 @@ class PathPatching(Experiment):
                 columns = self._channel_columns(layer)
                 if tag[0] == "send":
                     self._sent[(tag[1], tag[2], layer)] = tensor.values()[span.rows][:, columns].copy()
-                else:
+                elif tag[3] + 1 == len(self._chain) or layer < self._chain[tag[3] + 1]:  # its link's layers
                     tensor.values_mut()[span.rows, columns] = self._sent[(tag[1], tag[2], layer)]
 
     def _columns(self, head: int) -> slice:
@@ -223,8 +230,9 @@ class PathPatching(Experiment):
         clean, corrupted = yield [Evaluation(item.token_ids, tag=("clean", index), save="clean"),
                                   Evaluation(item.corrupted_ids, tag=("corrupted", index))]
         ld_clean, ld_corrupted = logit_difference(clean, item), logit_difference(corrupted, item)
-        if self.channel in ("k", "v"):
-            self._check_shared_kv()
+        layers = sorted({layer for layer, _ in self.receivers})
+        self._chain = layers[:1] + [layer for layer in layers[1:]
+                                    if self.channel in ("k", "v") and self._bystanders(layer)]
         start = int(changed_positions(item)[0])
         receiver_layers = [layer for layer, _ in self.receivers]
         last = max(receiver_layers) if receiver_layers else self._layer_count
@@ -234,10 +242,12 @@ class PathPatching(Experiment):
         if run:  # (every step asks for something)
             patched = yield [Evaluation(item.token_ids, tag=("send", index, g), reuse="clean", start=start,
                                         first_layer=first[g]) for g in run]
-        if run and self.receivers:
-            patched = yield [Evaluation(item.token_ids, tag=("receive", index, g), reuse="clean", start=start,
-                                        first_layer=min(receiver_layers)) for g in run]
-        self._passes += len(run) * (2 if self.receivers else 1)
+        for link, layer in enumerate(self._chain if run else ()):
+            more = link + 1 < len(self._chain)
+            patched = yield [Evaluation(item.token_ids, tag=("receive", index, g, link), start=start,
+                                        reuse=("link", g, link - 1) if link else "clean", first_layer=layer,
+                                        save=("link", g, link) if more else None) for g in run]
+        self._passes += len(run) * (1 + len(self._chain))
         gap = ld_clean - ld_corrupted
         scores = np.zeros(len(self._groups))
         lds = np.full(len(self._groups), ld_clean)
@@ -246,8 +256,9 @@ class PathPatching(Experiment):
             scores[g] = (lds[g] - ld_clean) / gap if abs(gap) > 1e-6 else math.nan
         for key in [key for key in self._recorded if key[1] == index]:
             del self._recorded[key]
-        for key in [key for key in self._sent if key[0] == index]:
-            del self._sent[key]
+        for store in (self._sent, self._held):
+            for key in [key for key in store if key[0] == index]:
+                del store[key]
         self._scores.append(scores)
         result = ItemResult(values={"logit_diff_clean": ld_clean, "logit_diff_corrupted": ld_corrupted})
         if not self.sweep:
@@ -262,15 +273,6 @@ class PathPatching(Experiment):
                                       for layer, row in enumerate(grid)}
         result.key = ("score.min",)
         return result
-
-    def _check_shared_kv(self) -> None:
-        """Refuse k/v receivers in several layers whose KV heads other heads read (module docstring)."""
-        layers = sorted({layer for layer, _ in self.receivers})
-        later = [layer for layer in layers[1:] if self._bystanders(layer)]
-        if later:
-            raise ConfigError(f"path_patching: channel {self.channel} receivers in layers {layers} share KV "
-                              f"heads with heads that are not receivers (layer {later[0]}); give receivers "
-                              f"of one layer, every head reading their KV heads, or channel q")
 
     # -- results -----------------------------------------------------------------------------------
 
