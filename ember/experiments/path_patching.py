@@ -148,8 +148,8 @@ class PathPatching(Experiment):
 
     def attention_heads(self, ctx: LayerContext, heads: TensorAccess) -> None:
         """Record the clean and corrupted runs' heads; in run 2 freeze every head to its clean output but
-        the senders' (the corrupted run's); in run 3 give the non-receivers sharing a patched KV head
-        their clean output back."""
+        the senders' (the corrupted run's); in run 3 give the bystanders of a patched KV head the output
+        they have without the write (the clean run's, or held from the chain's previous run)."""
         if ctx.execution.phase is not ExecutionPhase.PREFILL:
             return
         layer = ctx.layer_index
