@@ -26,6 +26,7 @@ _TOP_LEVEL_KEYS = {
     "model", "prompt", "messages", "max_new_tokens", "layer", "experiments", "intervention_effect",
     "threads", "sampling", "mlflow", "tracing", "trace_layers", "stop_at_eog", "data",
     "objective",  # checked by ember.runs.objective
+    "senders", "receivers", "channel",  # experiment=path_patching's, passed on as ${senders} …
 }
 _MODEL_KEYS = {"source", "family", "context_length", "weights"}
 _WEIGHT_MODES = ("quantized", "float32")

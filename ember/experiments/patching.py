@@ -67,9 +67,9 @@ def token_pairs(readout: Any, item: StudyItem) -> list[tuple[str, str]]:
 
 
 def score_maps(panels: Sequence[tuple[str, np.ndarray]], layers: Sequence[int], columns: Sequence[str],
-               title: str, xlabel: str = "", fontsize: int = 8) -> Figure:
-    """Maps of restored shares (−1…1, red: restored), one panel per (name, [layers, columns]) array,
-    layers upwards."""
+               title: str, xlabel: str = "", fontsize: int = 8, label: str = SCORE_LABEL) -> Figure:
+    """Maps of restored shares (−1…1, red: restored; or another score on that scale, `label`), one panel
+    per (name, [layers, columns]) array, layers upwards."""
     from matplotlib.figure import Figure
 
     width = max(4.0, 0.45 * len(columns) + 2.2)
@@ -83,6 +83,6 @@ def score_maps(panels: Sequence[tuple[str, np.ndarray]], layers: Sequence[int], 
             ax.set_xlabel(xlabel)
         ax.set_ylabel("layer")
         ax.set_title(name)
-    figure.colorbar(image, ax=axes, label=SCORE_LABEL)
+    figure.colorbar(image, ax=axes, label=label)
     figure.suptitle(title)
     return figure

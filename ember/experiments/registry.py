@@ -10,6 +10,7 @@ from ember.experiments.direct_logit_attribution import DirectLogitAttribution
 from ember.experiments.expert_usage import ExpertUsage
 from ember.experiments.head_patching import HeadPatching
 from ember.experiments.logit_lens import LogitLens
+from ember.experiments.path_patching import PathPatching
 from ember.experiments.steering import Steering
 from ember.experiments.zero_layer_output import ZeroLayerOutput
 
@@ -23,6 +24,7 @@ BUILTIN_EXPERIMENTS: dict[str, type[Experiment]] = {
     "steering": Steering,
     "direct_logit_attribution": DirectLogitAttribution,
     "expert_usage": ExpertUsage,
+    "path_patching": PathPatching,
 }
 
 # Names of the config's experiment/ group (conf/experiment/*.yaml) where they differ from a class's own
