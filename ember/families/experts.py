@@ -1,27 +1,30 @@
-"""A mixture-of-experts MLP: the router's choice and the chosen experts' SwiGLU products.
+"""A mixture-of-experts MLP: the router's choice and the chosen experts' gated products.
 
-For rows y [T, H] (the MLP's normed input), E experts of which each row takes k:
+For rows y [T, H] (the experts' normed input), E experts of which each row takes k:
 
-    logits = y W_routerᵀ                        [T, E]   → the `router` stage (writable)
+    logits = x W_routerᵀ                        [T, E]   → the `router` stage (writable); x is y
+                                                          (qwen3moe) or the family's own router input
     p = softmax(logits) over the experts        (float32; a −inf logit gives p = 0)
     chosen = the k experts of largest p         [T, k]   (ties: the lower expert number first)
     w = p[chosen] / Σ p[chosen]                 [T, k]   (the sum clamped below at 2⁻¹⁴, as llama.cpp)
-    m = Σⱼ w[:, j] · (silu(y W_gate[cⱼ]ᵀ) ⊙ y W_up[cⱼ]ᵀ) W_down[cⱼ]ᵀ   [T, H]   → after_mlp
+    m = Σⱼ w[:, j] · (act(y W_gate[cⱼ]ᵀ) ⊙ y W_up[cⱼ]ᵀ) W_down[cⱼ]ᵀ   [T, H]
 
-`route` is the first four lines (experiments call it too, to read a row's choice from its logits);
-`mixture` the last. Each expert's weights are its own slices of the file's 3-D tensors
-(`WeightStore.experts`): `mixture` groups the rows by expert and multiplies each chosen expert once over
-the rows routed to it (a decode step: the k chosen experts, one row each); an expert no row chose is
-not read.
+`route` is the second to fourth lines (experiments call it too, to read a row's choice from its
+logits); `mixture` the last, with act = silu (SwiGLU: qwen3moe) or another activation (gelu_tanh,
+GeGLU: Gemma 4). A family may change w between the two (Gemma 4 multiplies it by a per-expert scale).
+Each expert's weights are its own slices of the file's 3-D tensors (`WeightStore.experts`): `mixture`
+groups the rows by expert and multiplies each chosen expert once over the rows routed to it (a decode
+step: the k chosen experts, one row each); an expert no row chose is not read.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
+from ember.buffers import aligned_zeros
 from ember.ops import linear, silu_inplace
 
 # llama.cpp clamps the sum of the chosen probabilities to the smallest normal float16 before dividing
@@ -43,11 +46,25 @@ def route(logits: np.ndarray, top_k: int) -> tuple[np.ndarray, np.ndarray]:
     return chosen, weights.astype(np.float32, copy=False)
 
 
+class ExpertBuffers:
+    """The scratch `mixture` writes, for up to `rows` rows, hidden width H and expert width F (a family
+    whose workspace does not already hold these names keeps one of these)."""
+
+    def __init__(self, rows: int, hidden: int, width: int) -> None:
+        self.rows_in = aligned_zeros((rows, hidden))
+        self.gate_up = aligned_zeros((rows, 2 * width))
+        self.mlp_scratch = aligned_zeros((rows, width))
+        self.expert_output = aligned_zeros((rows, hidden))
+
+
 def mixture(y: np.ndarray, chosen: np.ndarray, weights: np.ndarray, gate_up: Sequence[Any],
-            down: Sequence[Any], ws: Any, out: np.ndarray) -> np.ndarray:
-    """out = Σⱼ weights[:, j] · expert chosen[:, j](y), each expert's SwiGLU (gate rows then up rows
-    stacked in `gate_up[e]`, `down[e]`) multiplied once over the rows routed to it. Scratch: ws.rows_in
-    [T, H], ws.gate_up [T, 2F], ws.mlp_scratch [T, F], ws.expert_output [T, H]."""
+            down: Sequence[Any], ws: Any, out: np.ndarray,
+            activation: Callable[[np.ndarray, np.ndarray], Any] = silu_inplace) -> np.ndarray:
+    """out = Σⱼ weights[:, j] · expert chosen[:, j](y), each expert's gated product
+    (activation(y W_gateᵀ) ⊙ y W_upᵀ) W_downᵀ (gate rows then up rows stacked in `gate_up[e]`, `down[e]`)
+    multiplied once over the rows routed to it. `activation(x, scratch)` works in place (`ember.ops`).
+    Scratch: ws.rows_in [T, H], ws.gate_up [T, 2F], ws.mlp_scratch [T, F], ws.expert_output [T, H]
+    (a workspace or an `ExpertBuffers`)."""
     out[...] = 0.0
     if chosen.size == 0:  # a batch's layer that no sequence has reached yet
         return out
@@ -65,7 +82,7 @@ def mixture(y: np.ndarray, chosen: np.ndarray, weights: np.ndarray, gate_up: Seq
         np.take(y, rows, axis=0, out=x, mode="clip")  # valid rows; "raise" would copy via a temporary
         gate_up_rows = linear(x, gate_up[expert], ws.gate_up[:n])
         gate, up = gate_up_rows[:, :F], gate_up_rows[:, F:]
-        silu_inplace(gate, ws.mlp_scratch[:n])
+        activation(gate, ws.mlp_scratch[:n])
         gate *= up
         product = linear(gate, down[expert], ws.expert_output[:n])
         product *= weights[rows, slots][:, None]
