@@ -24,7 +24,11 @@ from ember.phases import ExecutionPhase, ModelFamily
 
 BOTH_PHASES = frozenset(ExecutionPhase)
 EVERY_FAMILY = frozenset(ModelFamily)
-MIXTURE_OF_EXPERTS = frozenset({ModelFamily.QWEN3MOE})
+# The families with mixture-of-experts models. Every qwen3moe file has experts; gemma4's dense files (E2B,
+# E4B, 31B) and its MoE one (26B-A4B) are one family, told apart by `expert_count`. So a stage of these
+# families marked `experts_only` fires in a model that has experts (config.expert_count > 0) and in no
+# other: `layer_names(family, experts=...)`.
+MIXTURE_OF_EXPERTS = frozenset({ModelFamily.QWEN3MOE, ModelFamily.GEMMA4})
 
 
 class Scope(Enum):
@@ -39,7 +43,8 @@ class Stage:
     the phases it fires in and the families whose forward passes have it (tests/test_stages.py holds the
     engine to them), and what it is. Every stage is writable through `TensorAccess.values_mut()`.
     `on_demand`: showing it costs the engine something (a copy, a computation, a call), so the engine
-    forms it only when the hooks listen there (`listened`)."""
+    forms it only when the hooks listen there (`listened`). `experts_only`: the families' models with
+    mixture-of-experts layers have it, their dense ones do not (`MIXTURE_OF_EXPERTS`)."""
 
     name: str
     scope: Scope
@@ -50,6 +55,7 @@ class Stage:
     phases: frozenset[ExecutionPhase] = BOTH_PHASES
     on_demand: bool = False
     families: frozenset[ModelFamily] = EVERY_FAMILY
+    experts_only: bool = False
 
     @property
     def shape(self) -> str:
@@ -78,10 +84,11 @@ STAGES: tuple[Stage, ...] = (
     Stage("after_attention", Scope.LAYER, "attention_output", "tokens", "hidden",
           "The attention block's contribution to the residual, before it is added"),
     Stage("router", Scope.LAYER, "router_logits", "tokens", "experts",
-          "A mixture-of-experts layer's router logits (y W_gate_inpᵀ, y the MLP's normed input), expert e "
+          "A mixture-of-experts layer's router logits (x W_gate_inpᵀ, x the router's input: the MLP's normed "
+          "input in qwen3moe, Gemma 4's own scaled norm of the residual), expert e "
           "in column e, before the softmax over the experts and the top-k choice; what it holds when the "
           "hook returns is what the choice and the weights are made from (−inf bans an expert, a large "
-          "value forces it)", on_demand=True, families=MIXTURE_OF_EXPERTS),
+          "value forces it)", on_demand=True, families=MIXTURE_OF_EXPERTS, experts_only=True),
     Stage("after_mlp", Scope.LAYER, "mlp_output", "tokens", "hidden",
           "The MLP block's contribution to the residual, before it is added"),
     Stage("after_layer", Scope.LAYER, "hidden", "tokens", "hidden",
@@ -103,12 +110,21 @@ HEAD_STAGES: tuple[Stage, ...] = tuple(
     stage for stage in MODEL_STAGES if STAGES.index(stage) > STAGES.index(LAYER_STAGES[-1]))
 
 
-def layer_names(family: ModelFamily) -> tuple[str, ...]:
-    """The names of the layer stages `family`'s forward pass has, in call order."""
-    return tuple(stage.name for stage in LAYER_STAGES if family in stage.families)
+def layer_names(family: ModelFamily, *, experts: bool = False) -> tuple[str, ...]:
+    """The names of the layer stages `family`'s forward pass has, in call order; `experts`: in a model
+    with mixture-of-experts layers (`config.expert_count` > 0), which adds the `experts_only` stages."""
+    return tuple(stage.name for stage in LAYER_STAGES
+                 if family in stage.families and (experts or not stage.experts_only))
+
+
+def model_layer_names(config: Any) -> tuple[str, ...]:
+    """`layer_names` of a loaded model's config."""
+    return layer_names(config.family, experts=getattr(config, "expert_count", 0) > 0)
 
 
 ON_DEMAND: frozenset[str] = frozenset(stage.name for stage in STAGES if stage.on_demand)
+# The queries, keys and values as attention reads them, in that order (path patching's q, k, v channels).
+ATTENTION_INPUTS: tuple[str, ...] = ("attention_queries", "attention_keys", "attention_values")
 
 
 def listened(hooks: Any) -> frozenset[str]:

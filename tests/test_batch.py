@@ -11,7 +11,8 @@ within REAL_BOUNDARY_TOLERANCE: see there why), on every family:
 * a tiny Qwen3 (QK-norm, head dim ≠ hidden / heads), a tiny Qwen3 mixture of experts (8, top-2), and tiny
   Qwen2 (Q/K/V biases), OLMo 2 (post-norms, QK-norm over all heads), Granite (multipliers) and SmolLM3
   (a layer without rope);
-* a tiny Gemma 4 with sliding and full layers, KV-shared layers and per-layer embeddings (PLE).
+* a tiny Gemma 4 with sliding and full layers, KV-shared layers and per-layer embeddings (PLE), and the
+  same with mixture-of-experts layers (8 experts, top 2, beside the dense FFN).
 
 The tiny Gemma 3 and the llama variants are made by transformers (skipped without torch); the tiny Gemma 4
 is written from NumPy weights (tests/reference/gemma4_gguf.py).
@@ -53,7 +54,7 @@ LLAMA_VARIANTS = ("qwen2-tiny", "olmo2-tiny", "granite-tiny", "smollm3-tiny")
 FAMILIES = ["smollm2", "gemma3-270m",
             *(pytest.param(name, marks=pytest.mark.reference)
               for name in ("gemma3-tiny", "qwen3-tiny", "qwen3moe-tiny", *LLAMA_VARIANTS)),
-            "gemma4-tiny"]
+            "gemma4-tiny", "gemma4-moe-tiny"]
 PAST_LAYER_0 = [*FAMILIES, "gemma4-tiny-nople"]
 
 
@@ -87,11 +88,12 @@ def _tiny_qwen3moe(folder: Any) -> Any:
     return ember.load_model(write_gguf(tiny_qwen3moe(), folder / "qwen3moe.gguf"), context_length=64)
 
 
-def _tiny_gemma4(folder: Any, per_layer_input: int) -> Any:
+def _tiny_gemma4(folder: Any, per_layer_input: int, moe: bool = False) -> Any:
     from reference.gemma4_gguf import Gemma4Spec, random_state, tiny_gemma4_vocab, write_gguf
 
-    spec = Gemma4Spec(vocab_size=len(tiny_gemma4_vocab().tokens), hidden_size_per_layer_input=per_layer_input)
-    path = write_gguf(folder / f"gemma4-{per_layer_input}.gguf", spec, random_state(spec, seed=3))
+    spec = Gemma4Spec(vocab_size=len(tiny_gemma4_vocab().tokens), hidden_size_per_layer_input=per_layer_input,
+                      enable_moe_block=moe)
+    path = write_gguf(folder / f"gemma4-{per_layer_input}-{moe}.gguf", spec, random_state(spec, seed=3))
     return ember.load_model(path, context_length=64)
 
 
@@ -116,7 +118,7 @@ def load(name: str, built: dict[str, Any], request: pytest.FixtureRequest,
         elif name == "qwen3moe-tiny":
             built[name] = _tiny_qwen3moe(folder)
         else:
-            built[name] = _tiny_gemma4(folder, 0 if name.endswith("nople") else 32)
+            built[name] = _tiny_gemma4(folder, 0 if name.endswith("nople") else 32, "moe" in name)
     return built[name]
 
 

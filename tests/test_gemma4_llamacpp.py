@@ -62,7 +62,11 @@ def llama_cpp_logits(path) -> np.ndarray:
     (GGMLQuantizationType.F16, {"attention_k_eq_v": True, "num_global_key_value_heads": 1,
                                 "hidden_size_per_layer_input": 0, "num_kv_shared_layers": 0,
                                 "use_double_wide_mlp": False, "tie_word_embeddings": False}, 0.9999),
-], ids=["f32", "f32-k_eq_v", "q8_0", "f16-dense-untied"])
+    # the 26B-A4B layout with its mixture of experts (8 experts, top 2) beside the dense FFN
+    (GGMLQuantizationType.F32, {"attention_k_eq_v": True, "num_global_key_value_heads": 1,
+                                "hidden_size_per_layer_input": 0, "num_kv_shared_layers": 0,
+                                "use_double_wide_mlp": False, "enable_moe_block": True}, 0.9999),
+], ids=["f32", "f32-k_eq_v", "q8_0", "f16-dense-untied", "f32-moe"])
 def test_llama_cpp_loads_the_file_and_agrees(tmp_path, qtype, variant, min_cosine) -> None:
     spec = Gemma4Spec(vocab_size=len(tiny_gemma4_vocab().tokens), **variant)
     path = write_gguf(tmp_path / "tiny.gguf", spec, random_state(spec, seed=11), qtype=qtype)

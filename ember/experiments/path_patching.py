@@ -60,6 +60,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ember import stages
 from ember.errors import ConfigError
 from ember.experiments.base import Experiment
 from ember.experiments.context import ExecutionPhase, LayerContext, ModelContext, TensorAccess
@@ -70,7 +71,7 @@ from ember.experiments.study import Evaluation, ItemResult, StudyItem
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-CHANNELS = {"q": "attention_queries", "k": "attention_keys", "v": "attention_values"}
+CHANNELS = dict(zip("qkv", stages.ATTENTION_INPUTS, strict=True))  # channel → the stage it patches
 SCORE_LABEL = "(LD patched − LD clean) / (LD clean − LD corrupted)"
 TOP_SENDERS = 10
 

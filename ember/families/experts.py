@@ -1,23 +1,25 @@
-"""A mixture-of-experts MLP: the router's choice and the chosen experts' SwiGLU products.
+"""A mixture-of-experts MLP: the router's choice and the chosen experts' gated products.
 
-For rows y [T, H] (the MLP's normed input), E experts of which each row takes k:
+For rows y [T, H] (the experts' normed input), E experts of which each row takes k:
 
-    logits = y W_routerᵀ                        [T, E]   → the `router` stage (writable)
+    logits = x W_routerᵀ                        [T, E]   → the `router` stage (writable); x is y
+                                                          (qwen3moe) or the family's own router input
     p = softmax(logits) over the experts        (float32; a −inf logit gives p = 0)
     chosen = the k experts of largest p         [T, k]   (ties: the lower expert number first)
     w = p[chosen] / Σ p[chosen]                 [T, k]   (the sum clamped below at 2⁻¹⁴, as llama.cpp)
-    m = Σⱼ w[:, j] · (silu(y W_gate[cⱼ]ᵀ) ⊙ y W_up[cⱼ]ᵀ) W_down[cⱼ]ᵀ   [T, H]   → after_mlp
+    m = Σⱼ w[:, j] · (act(y W_gate[cⱼ]ᵀ) ⊙ y W_up[cⱼ]ᵀ) W_down[cⱼ]ᵀ   [T, H]
 
-`route` is the first four lines (experiments call it too, to read a row's choice from its logits);
-`mixture` the last. Each expert's weights are its own slices of the file's 3-D tensors
-(`WeightStore.experts`): `mixture` groups the rows by expert and multiplies each chosen expert once over
-the rows routed to it (a decode step: the k chosen experts, one row each); an expert no row chose is
-not read.
+`route` is the second to fourth lines (experiments call it too, to read a row's choice from its
+logits); `mixture` the last, with act = silu (SwiGLU: qwen3moe) or another activation (gelu_tanh,
+GeGLU: Gemma 4). A family may change w between the two (Gemma 4 multiplies it by a per-expert scale).
+Each expert's weights are its own slices of the file's 3-D tensors (`WeightStore.experts`): `mixture`
+groups the rows by expert and multiplies each chosen expert once over the rows routed to it (a decode
+step: the k chosen experts, one row each); an expert no row chose is not read.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -57,12 +59,14 @@ class ExpertScratch:
 
 
 def mixture(y: np.ndarray, chosen: np.ndarray, weights: np.ndarray, gate_up: Sequence[Any],
-            down: Sequence[Any], scratch: ExpertScratch, out: np.ndarray) -> np.ndarray:
-    """out = Σⱼ weights[:, j] · expert chosen[:, j](y), each expert's SwiGLU (gate rows then up rows
-    stacked in `gate_up[e]`, `down[e]`) multiplied once over the rows routed to it, the chosen experts'
-    products of a step shared among the threads at once (`matrix.multiply_each`: on the Qwen3-30B-A3B
-    shape, one share per expert made decode wait on 16 wake-ups a layer). The sum runs over the slots
-    j in order, as llama.cpp's."""
+            down: Sequence[Any], scratch: ExpertScratch, out: np.ndarray,
+            activation: Callable[[np.ndarray, np.ndarray], Any] = silu_inplace) -> np.ndarray:
+    """out = Σⱼ weights[:, j] · expert chosen[:, j](y), each expert's gated product
+    (activation(y W_gateᵀ) ⊙ y W_upᵀ) W_downᵀ (gate rows then up rows stacked in `gate_up[e]`, `down[e]`;
+    `activation(x, scratch)` works in place, `ember.ops`) multiplied once over the rows routed to it, the
+    chosen experts' products of a step shared among the threads at once (`matrix.multiply_each`: on the
+    Qwen3-30B-A3B shape, one share per expert made decode wait on 16 wake-ups a layer). The sum runs
+    over the slots j in order, as llama.cpp's."""
     out[...] = 0.0
     if chosen.size == 0:  # a batch's layer that no sequence has reached yet
         return out
@@ -79,7 +83,7 @@ def mixture(y: np.ndarray, chosen: np.ndarray, weights: np.ndarray, gate_up: Seq
     groups = list(zip(starts, stops, strict=True))  # each expert's pairs: a contiguous run a…b−1
     _multiply_each([(gate_up[int(experts[a])], x[a:b], gate_up_rows[a:b]) for a, b in groups])
     gate, up = gate_up_rows[:, :F], gate_up_rows[:, F:]
-    silu_inplace(gate, scratch.scratch[:pairs])
+    activation(gate, scratch.scratch[:pairs])
     gate *= up
     _multiply_each([(down[int(experts[a])], gate[a:b], products[a:b]) for a, b in groups])
     products *= weights.reshape(-1)[order][:, None]

@@ -1,12 +1,17 @@
 """Gemma 4 text decoder (GGUF architecture `gemma4`), docs/families.md §3: the dense models (E2B/E4B with PLE
-and KV sharing, and the 31B-style layout without them). Mixture-of-experts files (26B-A4B) are refused.
+and KV sharing, and the 31B-style layout without them) and the mixture-of-experts one (26B-A4B: in every
+layer a dense FFN and `expert_count` GeGLU experts side by side, of which each token takes
+`expert_used_count`). Dense and MoE files are one family (`ModelFamily.GEMMA4`); `expert_count` > 0 in
+the metadata makes a file MoE.
 
 What differs from llama/qwen3, each explicit below: a per-layer pattern of sliding-window and full
 attention layers with their own head dim, rope base and KV head count; full layers rotate with
 `rope_freqs` factors ("proportional" partial rope); QK-norm and a weightless V-norm; V is the raw K
 projection when `attn_v` is absent; attention scale 1.0; the last `shared_kv_layers` layers attend to
 the K/V of an earlier layer and hold no cache of their own; four norms per block; per-layer embeddings
-(PLE); a per-layer output scalar; a (normally tied) LM head and a final logit softcap.
+(PLE); a per-layer output scalar; a (normally tied) LM head and a final logit softcap. In MoE layers:
+a router with its own input (a weightless norm of h, a scale vector, 1/√H), a per-expert scale on the
+renormalised top-k weights, and three more norms around the two FFN branches.
 
 Inputs: token ids t [T]; H hidden, P PLE width, L layers.
     h  = E[t] · √H                                            (the residual stream)
@@ -20,7 +25,16 @@ Per layer l (hd, n_kv, F and the rope set by the layer's kind):
     a = RMSNorm(attention(q, k, v; scale 1, window on sliding layers) Woᵀ, post_attention_norm)
                                                                → after_attention (before the residual add)
     h = h + a
-    m = RMSNorm((gelu_tanh(y Wgᵀ) ⊙ y Wuᵀ) Wdᵀ, post_ffw_norm),  y = RMSNorm(h, ffn_norm)
+    d = (gelu_tanh(y Wgᵀ) ⊙ y Wuᵀ) Wdᵀ,  y = RMSNorm(h, ffn_norm)                 (the dense FFN)
+    dense layers:  m = RMSNorm(d, post_ffw_norm)
+    MoE layers (transformers' Gemma4TextDecoderLayer, llama.cpp's gemma4 graph):
+        r = RMSNorm(h) ⊙ ffn_gate_inp.scale / √H                 (no weight in the norm)
+        logits = r W_gate_inpᵀ                                 → router [T, experts] (writable)
+        c, p = top-k of softmax(logits), renormalised to sum 1    (c the chosen experts: `experts.route`)
+        wⱼ = pⱼ · ffn_down_exps.scale[cⱼ]                        (the per-expert scale)
+        x = RMSNorm(h, pre_ffw_norm_2)
+        e = Σⱼ wⱼ · (gelu_tanh(x W_gate[cⱼ]ᵀ) ⊙ x W_up[cⱼ]ᵀ) W_down[cⱼ]ᵀ
+        m = RMSNorm(RMSNorm(d, post_ffw_norm_1) + RMSNorm(e, post_ffw_norm_2), post_ffw_norm)
                                                                → after_mlp (before the residual add)
     h = h + m
     h = h + RMSNorm((gelu_tanh(h Wgateᵀ) ⊙ ple[:, l]) Wprojᵀ, post_norm)      (PLE, when P > 0)
@@ -31,7 +45,9 @@ logits = c·tanh((z Eᵀ)/c),  c = final_logit_softcapping        → after_logi
 Memory: `token_embd` (also the LM head) and `per_layer_token_embd` are never dequantized whole: the
 forward decodes the rows of the evaluated tokens only, and with quantized weights (the default) the LM
 head multiplies the table in its own encoding (`ember.quant`). With weights="float32" the tied head is
-a float32 copy (1.5 GiB for E2B's 262144 x 1536 table); the PLE table is still read by rows.
+a float32 copy (1.5 GiB for E2B's 262144 x 1536 table); the PLE table is still read by rows. Each
+expert is a view of its own blocks in the mapped file (`WeightStore.experts`), multiplied once over the
+rows routed to it (`ember.families.experts.mixture`); an expert no row chose is not read.
 """
 
 from __future__ import annotations
@@ -46,6 +62,7 @@ from ember import stages
 from ember.buffers import aligned_zeros
 from ember.config import MetadataReader, ModelConfig, RopeLayout
 from ember.errors import GGUFError
+from ember.families.experts import ExpertScratch, mixture, route
 from ember.families.head import Readouts, final_norm_and_logits
 from ember.families.inside import show_inputs
 from ember.families.workspace import head_of
@@ -78,6 +95,9 @@ class Gemma4Config(ModelConfig):
     kv_source: tuple[int, ...]  # per layer: the layer whose K/V it attends to (itself if it owns K/V)
     per_layer_input_dim: int  # P; 0 disables PLE
     final_logit_softcap: float  # 0 disables the cap
+    expert_count: int = 0  # E; 0: a dense file. Otherwise every layer adds E experts beside its dense FFN
+    expert_used_count: int = 0  # k, the experts each token takes
+    expert_feed_forward_length: int = 0  # F_e, one expert's width
 
     @property
     def first_shared_layer(self) -> int:
@@ -94,9 +114,7 @@ def build_config(gguf: GGUFFile) -> Gemma4Config:
     layer_count = meta.layer_count()
     head_count = meta.size("attention.head_count")
 
-    if meta.int("expert_count", 0) or "blk.0.ffn_gate_inp.weight" in gguf.tensors:
-        raise GGUFError(f"{path}: this Gemma 4 file has mixture-of-experts layers (26B-A4B style), which "
-                        "ember does not support; the dense Gemma 4 models (E2B, E4B, 31B) are supported")
+    experts, used, expert_width = _experts(gguf, meta)
     pattern = meta.raw("attention.sliding_window_pattern")
     if pattern is None:
         gguf.require(f"{meta.arch}.attention.sliding_window_pattern")
@@ -169,7 +187,30 @@ def build_config(gguf: GGUFFile) -> Gemma4Config:
         kv_source=kv_source,
         per_layer_input_dim=meta.int("embedding_length_per_layer_input"),
         final_logit_softcap=meta.float("final_logit_softcapping", 0.0),
+        expert_count=experts,
+        expert_used_count=used,
+        expert_feed_forward_length=expert_width,
     )
+
+
+def _experts(gguf: GGUFFile, meta: MetadataReader) -> tuple[int, int, int]:
+    """(expert_count, expert_used_count, expert_feed_forward_length), zeros for a dense file. A file with
+    experts has them in every layer (transformers' `enable_moe_block` is one switch for the model)."""
+    path, key = gguf.path, f"{meta.arch}."
+    count = meta.raw("expert_count")
+    router = next((name for name in gguf.tensors if name.endswith("ffn_gate_inp.weight")), None)
+    if not count:
+        if router is not None:
+            said = "is missing" if count is None else f"is {count}"
+            raise GGUFError(f"{path}: metadata '{key}expert_count' {said}, but the file has a router "
+                            f"tensor ({router!r}) of mixture-of-experts layers")
+        return 0, 0, 0
+    experts = meta.size("expert_count")
+    used = meta.size("expert_used_count")
+    if used > experts:
+        raise GGUFError(f"{path}: metadata '{key}expert_used_count' is {used}, more than "
+                        f"'{key}expert_count' ({experts})")
+    return experts, used, meta.size("expert_feed_forward_length")
 
 
 def _kv_sources(path, sliding: tuple[bool, ...], head_dims: tuple[int, ...], kv_heads: tuple[int, ...],
@@ -211,6 +252,66 @@ def cache_specs(config: Gemma4Config) -> list[tuple[int, int, int]]:
             for i in range(c.first_shared_layer)]
 
 
+def expert_tensor_shapes(config: Gemma4Config) -> dict[str, tuple[int, ...]]:
+    """The shapes (NumPy order) the metadata implies for the mixture-of-experts tensors of every layer;
+    the experts' gate and up are either fused (`ffn_gate_up_exps`: F_e gate rows, then F_e up rows) or
+    two tensors (`ffn_gate_exps`, `ffn_up_exps`), as llama.cpp accepts both."""
+    H, E, F = config.hidden_size, config.expert_count, config.expert_feed_forward_length
+    shapes: dict[str, tuple[int, ...]] = {}
+    for i in range(config.layer_count if E else 0):
+        block = f"blk.{i}."
+        shapes.update({
+            block + "ffn_gate_inp.weight": (E, H), block + "ffn_gate_inp.scale": (H,),
+            block + "ffn_gate_up_exps.weight": (E, 2 * F, H),
+            block + "ffn_gate_exps.weight": (E, F, H), block + "ffn_up_exps.weight": (E, F, H),
+            block + "ffn_down_exps.weight": (E, H, F), block + "ffn_down_exps.scale": (E,),
+            block + "pre_ffw_norm_2.weight": (H,), block + "post_ffw_norm_1.weight": (H,),
+            block + "post_ffw_norm_2.weight": (H,),
+        })
+    return shapes
+
+
+EXPERT_SHAPES_SOURCE = "the metadata (embedding_length, expert_count, expert_feed_forward_length)"
+
+
+@dataclass(slots=True)
+class ExpertWeights:
+    """A mixture-of-experts layer's weights beside its dense FFN (26B-A4B); norm weights and scales are
+    float32 vectors, the experts per-expert views of the file's 3-D tensors (`WeightStore.experts`)."""
+
+    router: Any  # ffn_gate_inp [E, H]
+    router_scale: np.ndarray  # ffn_gate_inp.scale [H] (transformers' router.scale)
+    expert_scale: np.ndarray  # ffn_down_exps.scale [E] (transformers' router.per_expert_scale)
+    gate_up: list[Any]  # per expert: [gate rows; up rows]
+    down: list[Any]  # per expert: [H, F_e]
+    pre_norm_2: np.ndarray  # pre_ffw_norm_2: the experts' input norm
+    post_norm_1: np.ndarray  # post_ffw_norm_1: the dense FFN's output norm
+    post_norm_2: np.ndarray  # post_ffw_norm_2: the experts' output norm
+
+
+def load_experts(store: WeightStore, layer: int) -> ExpertWeights:
+    block = f"blk.{layer}."
+    fused = block + "ffn_gate_up_exps.weight"
+    if store.has(fused):
+        gate_up = store.experts(fused)
+    else:
+        gate, up = block + "ffn_gate_exps.weight", block + "ffn_up_exps.weight"
+        if not (store.has(gate) and store.has(up)):
+            raise GGUFError(f"{store.gguf.path}: tensor {fused!r} (or the pair {gate!r}, {up!r}) is missing; "
+                            f"a Gemma 4 mixture-of-experts layer needs its experts' gate and up weights")
+        gate_up = [store.stack(pair) for pair in zip(store.experts(gate), store.experts(up), strict=True)]
+    return ExpertWeights(
+        router=store.matrix(block + "ffn_gate_inp.weight"),
+        router_scale=store.vector(block + "ffn_gate_inp.scale"),
+        expert_scale=store.vector(block + "ffn_down_exps.scale"),
+        gate_up=gate_up,
+        down=store.experts(block + "ffn_down_exps.weight"),
+        pre_norm_2=store.vector(block + "pre_ffw_norm_2.weight"),
+        post_norm_1=store.vector(block + "post_ffw_norm_1.weight"),
+        post_norm_2=store.vector(block + "post_ffw_norm_2.weight"),
+    )
+
+
 @dataclass(slots=True)
 class LayerWeights:
     """Norm weights are float32 vectors; matrices are whatever `WeightStore` holds."""
@@ -230,6 +331,7 @@ class LayerWeights:
     ple_gate: Any  # inp_gate (P, H); None without PLE
     ple_proj: Any  # proj (H, P); None without PLE
     ple_post_norm: np.ndarray | None
+    experts: ExpertWeights | None = None  # None in a dense file
 
 
 @dataclass(slots=True)
@@ -250,6 +352,7 @@ def load_weights(store: WeightStore, config: Gemma4Config) -> Weights:
         return store.stacked(names)
 
     ple = config.per_layer_input_dim > 0
+    store.check_shapes(expert_tensor_shapes(config), EXPERT_SHAPES_SOURCE)
     layers = []
     for i in range(config.layer_count):
         block = f"blk.{i}."
@@ -277,6 +380,7 @@ def load_weights(store: WeightStore, config: Gemma4Config) -> Weights:
             ple_gate=store.matrix(block + "inp_gate.weight") if ple else None,
             ple_proj=store.matrix(block + "proj.weight") if ple else None,
             ple_post_norm=store.vector(block + "post_norm.weight") if ple else None,
+            experts=load_experts(store, i) if config.expert_count else None,
         ))
     has_full = not all(config.sliding)
     if has_full and not store.has("rope_freqs.weight"):
@@ -346,6 +450,11 @@ class Workspace:
         self.ple_gate = aligned_zeros((rows, P))
         self.ple_scratch = aligned_zeros((rows, P))
         self.ple_output = aligned_zeros((rows, H))
+        if c.expert_count:  # the mixture-of-experts branch
+            self.router_input = aligned_zeros((rows, H))
+            self.router_logits = aligned_zeros((rows, c.expert_count))
+            self.expert_mixture = aligned_zeros((rows, H))
+            self.experts = ExpertScratch(rows * c.expert_used_count, H, c.expert_feed_forward_length)
         self.score_buffer = aligned_zeros(n_head * max_keys) if rows == 1 else None
         self.score_scratch = aligned_zeros(n_head) if rows == 1 else None
         self.final_normed = aligned_zeros((1, H))
@@ -375,6 +484,7 @@ class Gemma4Forward(Readouts):
         self.ple_token_scale = np.float32(np.sqrt(P)) if P else np.float32(0)
         self.ple_projection_scale = np.float32(1.0 / np.sqrt(config.hidden_size))
         self.ple_combine_scale = np.float32(1.0 / np.sqrt(2.0))
+        self.router_root = np.float32(config.hidden_size ** -0.5)
 
     def new_cache(self, context_length: int) -> LayeredKVCache:
         return LayeredKVCache.build(context_length, cache_specs(self.config))
@@ -445,7 +555,11 @@ class Gemma4Forward(Readouts):
             hooks.after_attention(i, a)
             h += a
             y = self.norm(h, layer.ffn_norm, ws)
-            m = self.post_norm(self.mlp(i, layer, y, ws), layer.post_ffw_norm, ws)
+            m = self.mlp(i, layer, y, ws)
+            if layer.experts is not None:  # the experts beside the dense FFN, both read h
+                m = self.post_norm(m, layer.experts.post_norm_1, ws)
+                m += self.mixture_of_experts(i, layer.experts, h, ws, hooks, listened)
+            m = self.post_norm(m, layer.post_ffw_norm, ws)
             hooks.after_mlp(i, m)
             h += m
             if ple is not None:
@@ -526,6 +640,30 @@ class Gemma4Forward(Readouts):
         gelu_tanh_inplace(gate, ws.view(ws.mlp_scratch, T, F))
         gate *= up
         return linear(gate, layer.ffn_down, ws.mlp_output)
+
+    def mixture_of_experts(self, i: int, moe: ExpertWeights, h: np.ndarray, ws: Workspace, hooks: Any,
+                           listened: frozenset[str]) -> np.ndarray:
+        """RMSNorm(Σⱼ wⱼ · expert cⱼ(RMSNorm(h, pre_ffw_norm_2)), post_ffw_norm_2), each expert GeGLU, for
+        the experts c the router chooses from its own input. Returns ws.expert_mixture.
+
+            r = (RMSNorm(h) ⊙ router_scale) / √H         (the weightless norm)
+            logits = r W_gate_inpᵀ                        → router (writable)
+            c, p = top-k of softmax(logits), renormalised (`ember.families.experts.route`)
+            wⱼ = pⱼ · expert_scale[cⱼ]
+        """
+        c = self.config
+        r = rms_norm(h, None, c.rms_norm_eps, ws.router_input, ws.row_scratch)
+        r *= moe.router_scale
+        r *= self.router_root
+        logits = linear(r, moe.router, ws.router_logits)
+        if "router" in listened:
+            hooks.router(i, logits)
+        chosen, weights = route(logits, c.expert_used_count)
+        weights *= moe.expert_scale[chosen]
+        y = self.norm(h, moe.pre_norm_2, ws)
+        out = mixture(y, chosen, weights, moe.gate_up, moe.down, ws.experts, ws.expert_mixture,
+                      activation=gelu_tanh_inplace)
+        return self.post_norm(out, moe.post_norm_2, ws)
 
     def per_layer_embedding(self, i: int, layer: LayerWeights, h: np.ndarray, ple: np.ndarray,
                             ws: Workspace) -> np.ndarray:

@@ -25,7 +25,7 @@ from ember.experiments.context import BatchLayout, ExecutionPhase
 from ember.inspection.recorder import POOLS, batch_layout, pool_rows
 from ember.progress import Progress
 from ember.rows import BatchEntry
-from ember.stages import BY_NAME, LAYER_NAMES, Scope, Stage, define_stage_methods, layer_names
+from ember.stages import BY_NAME, LAYER_NAMES, Scope, Stage, define_stage_methods, model_layer_names
 from ember.tracing import TracingHooks
 
 
@@ -160,9 +160,9 @@ def extract_hidden_states(model: Any, prompts: Sequence[str], *, layers: str | S
     if stage not in LAYER_NAMES:
         raise ConfigError(f"stage must be one of {', '.join(LAYER_NAMES)}, got {stage!r}")
     config = model.config
-    if stage not in layer_names(config.family):
+    if stage not in model_layer_names(config):
         raise ConfigError(f"a {config.family.value} model has no {stage!r} stage (its layer stages: "
-                          f"{', '.join(layer_names(config.family))})")
+                          f"{', '.join(model_layer_names(config))})")
     if pool not in POOLS:
         raise ConfigError(f"pool must be one of {', '.join(POOLS)}, got {pool!r}")
     chosen = resolve_layers(layers, model.config.layer_count)

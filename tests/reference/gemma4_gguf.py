@@ -22,6 +22,14 @@ and docs/families.md §3:
   with an F16 fallback for rows that do not split into Q8_0 blocks.
 * vocabulary: `tokenizer.ggml.model = "gemma4"` (no `pre`), tokens, scores, token types, merges, special
   ids, add_space_prefix false, add_bos_token true, and a chat template.
+* mixture of experts (`enable_moe_block`, 26B-A4B): metadata expert_count, expert_used_count
+  (`TextModel.set_gguf_parameters` reads num_experts / top_k_experts) and expert_feed_forward_length
+  (moe_intermediate_size); `router.proj` → `ffn_gate_inp.weight` (kept F32, as `prepare_tensors` keeps
+  every FFN_GATE_INP), `router.scale` → `ffn_gate_inp.scale`, `router.per_expert_scale` →
+  `ffn_down_exps.scale` (`Gemma4Model.modify_tensors`), `experts.gate_up_proj` [E, 2F, H] →
+  `ffn_gate_up_exps.weight` as it is (F gate rows, then F up rows) and `experts.down_proj` →
+  `ffn_down_exps.weight` (`filter_tensors` adds the `.weight`), the three extra norms by gguf-py's map.
+  `split_gate_up_exps` writes the other layout llama.cpp loads: `ffn_gate_exps` and `ffn_up_exps`.
 
 Weights are given as a dict of HF state-dict names to float32 numpy arrays, from transformers
 (`gemma4_reference.hf_state`) or from `random_state` here (for tests that do not need transformers).
@@ -75,6 +83,11 @@ class Gemma4Spec:
     rope_theta_swa: float = 10_000.0
     partial_rotary_factor: float = 0.25  # full layers ("proportional")
     tie_word_embeddings: bool = True
+    enable_moe_block: bool = False  # every layer: the dense FFN plus a mixture of experts
+    num_experts: int = 8
+    top_k_experts: int = 2
+    moe_intermediate_size: int = 32
+    split_gate_up_exps: bool = False  # write ffn_gate_exps + ffn_up_exps instead of ffn_gate_up_exps
 
     @property
     def num_hidden_layers(self) -> int:
@@ -128,6 +141,9 @@ class Gemma4Spec:
         )
         if self.num_global_key_value_heads is not None:
             kwargs["num_global_key_value_heads"] = self.num_global_key_value_heads
+        if self.enable_moe_block:
+            kwargs.update(enable_moe_block=True, num_experts=self.num_experts,
+                          top_k_experts=self.top_k_experts, moe_intermediate_size=self.moe_intermediate_size)
         return kwargs
 
 
@@ -184,8 +200,18 @@ def tiny_gemma4_vocab() -> TinyGemma4Vocab:
 
 # --------------------------------------------------------------------------- tensors
 
+# Gemma4Model.modify_tensors renames these two itself (gguf-py's map has no entry for them)
+_ROUTER_SCALES = {"router.scale": "ffn_gate_inp.scale", "router.per_expert_scale": "ffn_down_exps.scale"}
+
+
 def gguf_name(spec: Gemma4Spec, hf_name: str) -> str:
-    return gguf_tensor_name("gemma4", spec.num_hidden_layers, hf_name)
+    for suffix, name in _ROUTER_SCALES.items():
+        if hf_name.endswith("." + suffix):
+            return f"blk.{hf_name.split('.')[2]}.{name}"
+    name = gguf_tensor_name("gemma4", spec.num_hidden_layers, hf_name)
+    if ".experts." in hf_name and not name.endswith(".weight"):
+        name += ".weight"  # Gemma4Model.filter_tensors: the 3-D expert parameters have no suffix in HF
+    return name
 
 
 def rope_freqs(spec: Gemma4Spec) -> np.ndarray:
@@ -217,6 +243,16 @@ def hf_shapes(spec: Gemma4Spec) -> dict[str, tuple[int, ...]]:
         for norm in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                      "post_feedforward_layernorm"):
             shapes[p + norm + ".weight"] = (H,)
+        if spec.enable_moe_block:
+            E, Fe = spec.num_experts, spec.moe_intermediate_size
+            shapes[p + "router.scale"] = (H,)
+            shapes[p + "router.per_expert_scale"] = (E,)
+            shapes[p + "router.proj.weight"] = (E, H)
+            shapes[p + "experts.gate_up_proj"] = (E, 2 * Fe, H)
+            shapes[p + "experts.down_proj"] = (E, H, Fe)
+            for norm in ("post_feedforward_layernorm_1", "post_feedforward_layernorm_2",
+                         "pre_feedforward_layernorm_2"):
+                shapes[p + norm + ".weight"] = (H,)
         if P:
             shapes[p + "per_layer_input_gate.weight"] = (P, H)
             shapes[p + "per_layer_projection.weight"] = (H, P)
@@ -233,16 +269,20 @@ def hf_shapes(spec: Gemma4Spec) -> dict[str, tuple[int, ...]]:
 
 def random_state(spec: Gemma4Spec, seed: int = 0) -> dict[str, np.ndarray]:
     """Random float32 weights under HF names: linear weights N(0, 0.05²) (embeddings N(0, 0.5²)), norm
-    weights 1 + N(0, 0.2²), layer scalars uniform in [0.5, 1.5]."""
+    weights 1 + N(0, 0.2²), layer scalars uniform in [0.5, 1.5]. A mixture's router: its projection N(0, 1)
+    (logits of spread ~1, so the top-k choice is clear of ties), its input scale 1 + N(0, 0.2²), the
+    per-expert scales uniform in [0.5, 1.5]."""
     rng = np.random.default_rng(seed)
     state = {}
     for name, shape in hf_shapes(spec).items():
-        if name.endswith("layer_scalar"):
+        if name.endswith(("layer_scalar", "per_expert_scale")):
             values = rng.uniform(0.5, 1.5, shape)
-        elif name.endswith("norm.weight"):
+        elif name.endswith(("norm.weight", "router.scale")):
             values = 1.0 + 0.2 * rng.standard_normal(shape)
         elif "embed_tokens" in name:
             values = 0.5 * rng.standard_normal(shape)
+        elif name.endswith("router.proj.weight"):
+            values = rng.standard_normal(shape)
         else:
             values = 0.05 * rng.standard_normal(shape)
         state[name] = values.astype(np.float32)
@@ -257,11 +297,17 @@ def gguf_tensors(spec: Gemma4Spec, state: dict[str, np.ndarray]) -> Iterator[tup
         tied_head = spec.tie_word_embeddings and hf_name == "lm_head.weight"
         if hf_name.endswith("rotary_emb.inv_freq") or tied_head:
             continue
-        yield gguf_name(spec, hf_name), np.ascontiguousarray(data, dtype=np.float32)
+        name = gguf_name(spec, hf_name)
+        if spec.split_gate_up_exps and name.endswith("ffn_gate_up_exps.weight"):
+            F = spec.moe_intermediate_size
+            yield name.replace("gate_up", "gate"), np.ascontiguousarray(data[:, :F], dtype=np.float32)
+            yield name.replace("gate_up", "up"), np.ascontiguousarray(data[:, F:], dtype=np.float32)
+            continue
+        yield name, np.ascontiguousarray(data, dtype=np.float32)
 
 
 def tensor_type(name: str, data: np.ndarray, qtype: GGMLQuantizationType) -> GGMLQuantizationType:
-    if data.ndim <= 1 or name.endswith("_norm.weight"):
+    if data.ndim <= 1 or name.endswith(("_norm.weight", "ffn_gate_inp.weight")):  # the router stays F32
         return GGMLQuantizationType.F32
     if qtype == GGMLQuantizationType.Q8_0 and data.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0]:
         return GGMLQuantizationType.F16
@@ -307,6 +353,10 @@ def _write_metadata(writer: gguf.GGUFWriter, spec: Gemma4Spec, qtype: GGMLQuanti
     writer.add_value_length_swa(spec.head_dim)
     writer.add_rope_dimension_count(spec.global_head_dim)
     writer.add_rope_dimension_count_swa(spec.head_dim)
+    if spec.enable_moe_block:  # TextModel and Gemma4Model.set_gguf_parameters
+        writer.add_expert_count(spec.num_experts)
+        writer.add_expert_used_count(spec.top_k_experts)
+        writer.add_expert_feed_forward_length(spec.moe_intermediate_size)
     # Gemma4Model.set_vocab
     if len(vocab.tokens) != spec.vocab_size:
         raise ValueError(f"vocabulary has {len(vocab.tokens)} tokens, the model {spec.vocab_size}")
@@ -356,11 +406,19 @@ def dequantized_state(path: str | Path, spec: Gemma4Spec) -> dict[str, np.ndarra
     for hf_name in hf_shapes(spec):
         reverse[gguf_name(spec, hf_name)] = hf_name
     reader = gguf.GGUFReader(path)
-    state = {}
+    state, parts = {}, {}
     for tensor in reader.tensors:
         if tensor.name == "rope_freqs.weight":
             continue
         data = gguf.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
+        if tensor.name.endswith(("ffn_gate_exps.weight", "ffn_up_exps.weight")):  # split_gate_up_exps
+            parts[tensor.name] = data
+            continue
         hf_name = reverse[tensor.name]
         state[hf_name] = data.reshape(hf_shapes(spec)[hf_name])
+    for name, gate in parts.items():
+        if name.endswith("ffn_gate_exps.weight"):
+            fused = name.replace("ffn_gate_exps", "ffn_gate_up_exps")
+            up = parts[name.replace("ffn_gate_exps", "ffn_up_exps")]
+            state[reverse[fused]] = np.concatenate([gate, up], axis=1)
     return state

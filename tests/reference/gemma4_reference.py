@@ -8,7 +8,10 @@ one-token decode steps on HF's own KV cache and records, per evaluation and laye
 
 * before_layer: the residual entering the decoder layer;
 * after_attention: the output of `post_attention_layernorm` (O projection, then the post-attention norm);
-* after_mlp: the output of `post_feedforward_layernorm`;
+* after_mlp: the output of `post_feedforward_layernorm` (in a mixture-of-experts layer: of the dense FFN
+  and the experts together);
+* router (MoE layers): the router's logits, `router.proj`'s output, and the experts it chose (`router`'s
+  top-k indices);
 * after_layer: the decoder layer's output (after the residual adds, PLE and `layer_scalar`);
 * final_norm: `model.norm`'s output; logits: `Gemma4ForCausalLM`'s logits (after the softcap).
 """
@@ -29,7 +32,8 @@ __all__ = ["Evaluation", "build_hf", "capture", "hf_state"]
 def build_hf(spec: Gemma4Spec, state: dict[str, np.ndarray]) -> torch.nn.Module:
     from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
-    config = Gemma4TextConfig(**spec.hf_kwargs())
+    experts = {"experts_implementation": "eager"} if spec.enable_moe_block else {}  # the per-expert loop
+    config = Gemma4TextConfig(**spec.hf_kwargs(), **experts)
     config._attn_implementation = "eager"
     torch.manual_seed(0)
     model = Gemma4ForCausalLM(config).to(torch.float32).eval()
@@ -64,6 +68,8 @@ class Evaluation:
     after_attention: list[np.ndarray] = field(default_factory=list)
     after_mlp: list[np.ndarray] = field(default_factory=list)
     after_layer: list[np.ndarray] = field(default_factory=list)
+    router: list[np.ndarray] = field(default_factory=list)  # per MoE layer, [T, experts]
+    chosen: list[np.ndarray] = field(default_factory=list)  # per MoE layer, [T, k] expert ids
     final_norm: np.ndarray | None = None
     logits: np.ndarray | None = None
 
@@ -93,12 +99,21 @@ def capture(model: torch.nn.Module, prompt_ids: list[int], decode_ids: list[int]
     def on_norm(module, args, output):
         current[-1].final_norm = _rows(output)
 
+    def on_router_logits(module, args, output):  # router.proj: [T, experts]
+        current[-1].router.append(output.detach().to(torch.float32).numpy().copy())
+
+    def on_router(module, args, output):  # router: (probabilities, top-k weights, top-k experts)
+        current[-1].chosen.append(output[2].detach().numpy().copy())
+
     handles = []
     for layer in decoder.layers:
         handles.append(layer.register_forward_pre_hook(pre_layer, with_kwargs=True))
         handles.append(layer.post_attention_layernorm.register_forward_hook(hook("after_attention")))
         handles.append(layer.post_feedforward_layernorm.register_forward_hook(hook("after_mlp")))
         handles.append(layer.register_forward_hook(hook("after_layer")))
+        if getattr(layer, "enable_moe_block", False):
+            handles.append(layer.router.proj.register_forward_hook(on_router_logits))
+            handles.append(layer.router.register_forward_hook(on_router))
     handles.append(decoder.norm.register_forward_hook(on_norm))
 
     cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
