@@ -222,6 +222,10 @@ def test_the_html_view_in_chromium(smollm2, studied, tmp_path):
             assert page.locator("#status").get_attribute("data-query") == "5"
             assert np.abs(np.array(shown_weights(page)) - expected).max() <= 6e-5
             assert abs(sum(shown_weights(page)) - 1) <= T * 6e-5
+            assert page.locator("#tokens .tok.future").count() == T - 6  # keys it cannot see
+            page.check("#scaled")  # colours relative to the row's largest weight: the same weights shown
+            page.hover('#tokens .tok[data-position="5"]')
+            assert np.abs(np.array(shown_weights(page)) - expected).max() <= 6e-5
             # a click keeps position 3 when the mouse leaves; the last row shows by default
             page.click('#tokens .tok[data-position="3"]')
             page.mouse.move(5, 5)

@@ -3,8 +3,10 @@ the data as JSON; nothing fetched), which MLflow's artifact viewer shows in its 
 
 Choose an item and a head; hover a token to see where its query attends (each token coloured by its
 weight, the weight written under it), click it to keep it; the heatmap below shows every kept query row
-(rows) over the key positions (columns), the current row outlined. Weights are written with 4 decimals
-(the JSON holds them to 5).
+(rows) over the key positions (columns), the current row outlined; tokens after the query (which it
+cannot see) are dimmed. Colours show a weight's share of 1, or (a checkbox) of its row's largest weight,
+so that a head putting most of its weight on one token (often the first) still shows where the rest goes.
+Weights are written with 4 decimals (the JSON holds them to 5).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ select { font: inherit; max-width: 520px; }
 .tok.asks { cursor: pointer; }
 .tok.query { outline: 2px solid #cf222e; }
 .tok.pinned { outline: 3px solid #cf222e; }
+.tok.future { opacity: 0.35; }
 .tok .t { white-space: pre; font-family: ui-monospace, monospace; }
 .tok .w { font-size: 10px; font-family: ui-monospace, monospace; }
 .tok .p { font-size: 9px; color: #57606a; }
@@ -55,7 +58,12 @@ const heatmap = document.getElementById("heatmap");
 const statusLine = document.getElementById("status");
 let pinned = null;  // the query position a click keeps
 
-function colour(w) { return "rgba(9, 105, 218, " + Math.max(0, Math.min(1, w)).toFixed(3) + ")"; }
+const scaled = document.getElementById("scaled");
+// a weight's colour: its share of 1, or (scaled) of the row's largest weight
+function colour(w, top) {
+  const v = scaled.checked && top > 0 ? w / top : w;
+  return "rgba(9, 105, 218, " + Math.max(0, Math.min(1, v)).toFixed(3) + ")";
+}
 function shown(text) { return text.replace(/\n/g, "\u21b5").replace(/\t/g, "\u21e5"); }
 function item() { return data.items[Number(itemSelect.value)]; }
 function rows() { return item().patterns[Number(headSelect.value)]; }  // [queries][positions]
@@ -72,14 +80,16 @@ function showQuery(q) {
   const row = it.queries.indexOf(q);
   if (row < 0) return;
   const weights = rows()[row];
+  const top = Math.max(...weights);
   for (const box of tokensBox.children) {
     const p = Number(box.dataset.position);
     const w = weights[p];
-    box.style.background = colour(w);
-    box.style.color = w > 0.5 ? "white" : "";
+    box.style.background = colour(w, top);
+    box.style.color = (scaled.checked ? w / top : w) > 0.5 ? "white" : "";
     box.dataset.weight = String(w);
     box.querySelector(".w").textContent = w.toFixed(4);
     box.classList.toggle("query", p === q);
+    box.classList.toggle("future", p > q);
     box.classList.toggle("pinned", p === pinned);
   }
   for (const tr of heatmap.tBodies[0].rows) tr.classList.toggle("query", Number(tr.dataset.position) === q);
@@ -144,9 +154,10 @@ function render() {
     const th = document.createElement("th");
     th.textContent = q + " " + shown(it.tokens[q]);
     tr.appendChild(th);
+    const top = Math.max(...weights);
     weights.forEach((w, p) => {
       const td = tr.insertCell();
-      td.style.background = colour(w);
+      td.style.background = colour(w, top);
       td.title = q + " \u2192 " + p + ": " + w.toFixed(4);
     });
     tr.addEventListener("mouseenter", () => showQuery(q));
@@ -160,6 +171,7 @@ data.items.forEach((it, i) => option(itemSelect, i, "item " + it.index + ": " + 
 data.heads.forEach(([layer, head], k) => option(headSelect, k, "layer " + layer + ", head " + head));
 itemSelect.addEventListener("change", () => { pinned = null; render(); });
 headSelect.addEventListener("change", render);
+scaled.addEventListener("change", render);
 if (data.items.length) render(); else statusLine.textContent = "no items";
 """
 
@@ -190,6 +202,7 @@ def attention_html(items: Sequence[Mapping[str, Any]], heads: Sequence[tuple[int
 <h1>{html.escape(title)}</h1>
 <label>item <select id="item"></select></label>
 <label>head <select id="head"></select></label>
+<label><input type="checkbox" id="scaled"> colours per row's largest weight</label>
 <div id="prompt"></div>
 <div class="hint">Hover a token to see where its query attends (colour and weight on each token); click to
 keep it, click again to let go. ans / wrong: the prompt positions holding the answer's and the wrong
