@@ -1,8 +1,9 @@
-"""`attention_patterns` on SmolLM2 (IOI items):
+"""`attention_patterns` on SmolLM2 and Gemma 3 (IOI items):
 
 * the patterns it keeps equal the `attention_pattern` stage of each item evaluated alone (the stage is
   checked against transformers in tests/test_attention_stages.py), also when items share a batch; each
-  row sums to 1; its summaries (last token → IO, S, position 0) are sums of those rows;
+  row sums to 1; its summaries (last token → IO, S, position 0) are sums of those rows; the default
+  heads (every head of the last layer) and a prompt without answers;
 * a run records `patterns.npz` (the same values), `attention_patterns.html`, the figure and the table;
 * bad heads or positions end the run with one readable line;
 * (slow) the HTML view in a real browser (Debian's chromium driven by Playwright): choose a head, hover
@@ -101,6 +102,41 @@ def test_patterns_are_the_stage_s_and_rows_sum_to_one(smollm2, studied):
     assert all(r["n_to_answer"] == len(items) for r in table)
     means = [np.mean([res.values[f"L{r['layer']}H{r['head']}.to_answer"] for res in results]) for r in table]
     assert [r["mean_to_answer"] for r in table] == pytest.approx(means)
+
+
+def test_by_default_every_head_of_the_last_layer_and_a_prompt_without_answers(smollm2):
+    from ember.experiments.study import StudyItem
+
+    ids = tuple(smollm2.tokenizer.encode("The capital of France is"))
+    experiment = AttentionPatterns()
+    result = run_items(smollm2, experiment, [StudyItem(0, ids, "The capital of France is")])[0]
+    assert experiment.heads == tuple((29, head) for head in range(9))
+    assert set(result.values) == {f"L29H{head}.to_first" for head in range(9)}  # no answers: no IO, S
+    assert result.row == {"answer_positions": [], "wrong_answer_positions": []}
+    saved = npz(experiment)
+    assert saved["item0.L29H4"].shape == (len(ids), len(ids))
+    layers = AttentionPatterns(layers=[3, 7])
+    run_items(smollm2, layers, [StudyItem(0, ids, "")])
+    assert layers.heads == tuple((layer, head) for layer in (3, 7) for head in range(9))
+
+
+def test_gemma3_patterns_are_the_stage_s():
+    """Another family (Gemma 3 270M: a BOS, 4 heads, sliding-window and global layers), two items in
+    one batch: the same."""
+    import ember
+
+    model = ember.load_model("gemma3-270m", context_length=256)
+    items = ioi_items(model, 2)
+    heads = [[0, 0], [5, 3], [17, 1]]
+    experiment = AttentionPatterns(heads=heads)
+    run_items(model, experiment, items)
+    saved = npz(experiment)
+    for item in items:
+        reference = stage_patterns(model, item.token_ids)
+        for layer, head in heads:
+            ours = saved[f"item{item.index}.L{layer}H{head}"]
+            assert relative(ours, reference[(layer, head)]) <= TOLERANCE
+            assert np.abs(ours.sum(axis=1, dtype=np.float64) - 1).max() <= 1e-5
 
 
 def test_positions_keep_those_query_rows(studied):
