@@ -125,9 +125,9 @@ def test_ablation_takes_heads_without_a_layer():
         (["experiments=[{name:zero_layer_output,layer:[1,40]}]"], "layer[1]=40 is out of range"),
         (["experiments=[{name:nope}]"], "unknown experiment 'nope' in experiments[0]; built-in experiments: "
                                         "ablation, activation_patching, activation_stats, "
-                                        "direct_logit_attribution, expert_usage, head_patching, "
-                                        "logit_lens, path_patching, steering, zero_layer (alias "
-                                        "zero_layer_output)"),
+                                        "attention_patterns, direct_logit_attribution, expert_usage, "
+                                        "head_patching, logit_lens, path_patching, steering, zero_layer "
+                                        "(alias zero_layer_output)"),
         (["experiments=[{name:zero_layr,layer:1}]"],
          "unknown experiment 'zero_layr' in experiments[0] (did you mean zero_layer?)"),
         (["experiments=[{name:zero_layer,layer:1,tagret:mlp}]"], "has no parameter 'tagret' (did you mean "

@@ -5,6 +5,7 @@ from __future__ import annotations
 from ember.experiments.ablation import Ablation
 from ember.experiments.activation_patching import ActivationPatching
 from ember.experiments.activation_stats import ActivationStats
+from ember.experiments.attention_patterns import AttentionPatterns
 from ember.experiments.base import Experiment
 from ember.experiments.direct_logit_attribution import DirectLogitAttribution
 from ember.experiments.expert_usage import ExpertUsage
@@ -25,6 +26,7 @@ BUILTIN_EXPERIMENTS: dict[str, type[Experiment]] = {
     "direct_logit_attribution": DirectLogitAttribution,
     "expert_usage": ExpertUsage,
     "path_patching": PathPatching,
+    "attention_patterns": AttentionPatterns,
 }
 
 # Names of the config's experiment/ group (conf/experiment/*.yaml) where they differ from a class's own

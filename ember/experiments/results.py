@@ -23,16 +23,19 @@ class Metric:
 
 @dataclass(slots=True)
 class ExperimentResult:
-    """Metrics by name and step, tables (name -> rows), arrays (name -> ndarray) and figures.
+    """Metrics by name and step, tables (name -> rows), arrays (name -> ndarray), figures and files.
 
     Figures are built lazily, on first access of `figures`, from the `figure_builders`, so nothing
-    imports matplotlib unless somebody asks for a figure.
+    imports matplotlib unless somebody asks for a figure. `file_builders`: artifacts of any other kind,
+    by file name (e.g. `patterns.npz`, `view.html`) -> a function giving the file's bytes, called when the
+    result is recorded.
     """
 
     metrics: list[Metric] = field(default_factory=list)
     tables: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     arrays: dict[str, np.ndarray] = field(default_factory=dict)
     figure_builders: dict[str, Callable[[], Figure]] = field(default_factory=dict, repr=False)
+    file_builders: dict[str, Callable[[], bytes]] = field(default_factory=dict, repr=False)
     _figures: dict[str, Figure] | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
@@ -43,4 +46,4 @@ class ExperimentResult:
         return self._figures
 
     def is_empty(self) -> bool:
-        return not (self.metrics or self.tables or self.arrays or self.figure_builders)
+        return not (self.metrics or self.tables or self.arrays or self.figure_builders or self.file_builders)

@@ -192,6 +192,9 @@ class Tracker:
     def log_json(self, run_id: str, value: Any, artifact_file: str) -> None:
         self.log_text(run_id, json.dumps(value, indent=2, default=json_default), artifact_file)
 
+    def log_bytes(self, run_id: str, data: bytes, artifact_file: str) -> None:
+        self._artifact(run_id, artifact_file, lambda path: path.write_bytes(data))
+
     def log_array(self, run_id: str, array: np.ndarray, artifact_file: str) -> None:
         self._artifact(run_id, artifact_file, lambda path: np.save(path, np.asarray(array)))
 
@@ -318,7 +321,7 @@ def experiment_folder(name: str) -> str:
 
 
 def log_experiment_result(tracker: Tracker, run_id: str, name: str, result: Any) -> None:
-    """An experiment's metrics (prefixed with its name), tables, arrays and figures."""
+    """An experiment's metrics (prefixed with its name), tables, arrays, figures and files."""
     metrics = [(f"{name}.{m.name}", m.value, m.step) for m in result.metrics
                if isinstance(m.value, int | float) and math.isfinite(float(m.value))]
     tracker.log_metrics(run_id, metrics)
@@ -335,3 +338,5 @@ def log_experiment_result(tracker: Tracker, run_id: str, name: str, result: Any)
     if result.figure_builders:
         for figure_name, figure in result.figures.items():
             tracker.log_figure(run_id, figure, f"{folder}/{figure_name}.png")
+    for file_name, build in result.file_builders.items():
+        tracker.log_bytes(run_id, build(), f"{folder}/{file_name}")

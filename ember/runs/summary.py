@@ -59,6 +59,8 @@ def generic_summary(result: Any) -> str:
         parts.append(f"{len(result.arrays)} arrays")
     if result.figure_builders:
         parts.append(f"figures: {', '.join(result.figure_builders)}")
+    if getattr(result, "file_builders", None):
+        parts.append(f"files: {', '.join(result.file_builders)}")
     return "; ".join(parts) or "no results"
 
 
