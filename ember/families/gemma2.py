@@ -65,7 +65,7 @@ class Gemma2Config(Gemma3Config):
     attention_softcap: float  # c of c·tanh(s / c) on every attention score
 
 
-def positive(meta: MetadataReader, key: str, default: float) -> float:
+def read_softcap(meta: MetadataReader, key: str, default: float) -> float:
     """A softcap: a finite number above 0 (c·tanh(s/c) divides by it)."""
     value = meta.float(key, default)
     if not (math.isfinite(value) and value > 0):
@@ -120,8 +120,8 @@ def build_config(gguf: GGUFFile) -> Gemma2Config:
         rope_base_swa=meta.float("rope.freq_base_swa", rope_base),
         attention_scale=1.0 / math.sqrt(query_scalar),
         embedding_scale=float(np.float32(math.sqrt(hidden_size))),
-        final_logit_softcap=positive(meta, "final_logit_softcapping", DEFAULT_FINAL_SOFTCAP),
-        attention_softcap=positive(meta, "attn_logit_softcapping", DEFAULT_ATTENTION_SOFTCAP),
+        final_logit_softcap=read_softcap(meta, "final_logit_softcapping", DEFAULT_FINAL_SOFTCAP),
+        attention_softcap=read_softcap(meta, "attn_logit_softcapping", DEFAULT_ATTENTION_SOFTCAP),
     )
 
 
