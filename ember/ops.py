@@ -248,14 +248,24 @@ def _position_range(count: int) -> np.ndarray:
     return _positions[:count]
 
 
+def softcap_inplace(scores: np.ndarray, cap: float) -> np.ndarray:
+    """scores ← cap · tanh(scores / cap), in place (Gemma 2's attention-logit softcap, before the mask)."""
+    np.divide(scores, np.float32(cap), out=scores)
+    np.tanh(scores, out=scores)
+    scores *= np.float32(cap)
+    return scores
+
+
 PREFILL_QUERY_CHUNK = 128  # bounds the [heads, chunk, keys] score block; smaller skips more masked keys
 
 
 def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, *, start_position: int, scale: float,
               out: np.ndarray, score_buffer: np.ndarray | None = None,
               row_scratch: np.ndarray | None = None, key_positions: np.ndarray | None = None,
-              sliding_window: int = 0, spread_buffer: np.ndarray | None = None) -> np.ndarray:
-    """Causal grouped-query attention.
+              sliding_window: int = 0, spread_buffer: np.ndarray | None = None,
+              softcap: float = 0.0) -> np.ndarray:
+    """Causal grouped-query attention; with `softcap` c > 0 each scaled score s becomes c·tanh(s/c)
+    before the mask and the softmax (Gemma 2).
 
     q: [T, n_head, hd] for positions start_position … start_position+T−1.
     keys/values: [n_kv, L, hd] cache views holding every visible position (the current rows included).
@@ -275,7 +285,7 @@ def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, *, start_posi
             and (full_values := _whole_rows(values)) is not None):
         positions = key_positions if key_positions is not None else _position_range(key_count)
         _token_ops.attend(q[0], full_keys, full_values, key_count, scale, start_position, positions,
-                          sliding_window,
+                          sliding_window, softcap,
                           score_buffer[: head_count * key_count].reshape(head_count, key_count),
                           out.reshape(head_count, value_dim))
         return out
@@ -284,6 +294,8 @@ def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, *, start_posi
         scores = score_buffer[: kv_count * group * key_count].reshape(kv_count, group, key_count)
         np.matmul(query, keys.transpose(0, 2, 1), out=scores)
         scores *= scale
+        if softcap:
+            softcap_inplace(scores, softcap)
         if sliding_window:
             positions = key_positions if key_positions is not None else np.arange(key_count)
             hidden_keys = (start_position - positions) >= sliding_window
@@ -321,6 +333,8 @@ def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, *, start_posi
             masked |= distance >= sliding_window
         # scale, then add 0 / −inf: one pass each, cheaper than boolean indexing of the score block
         scores *= scale
+        if softcap:
+            softcap_inplace(scores, softcap)
         scores += np.where(masked, np.float32(-np.inf), np.float32(0.0))
         softmax_inplace(scores, np.empty(scores.shape[:-1] + (1,), dtype=np.float32))
         out_heads[chunk, kv] = np.matmul(scores, chunk_values).transpose(1, 0, 2)  # [t, g, hd_v]
@@ -330,7 +344,8 @@ def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, *, start_posi
 
 
 def sliding_window_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, key_positions: np.ndarray,
-                             start_position: int, window: int, scale: float, out: np.ndarray) -> np.ndarray:
+                             start_position: int, window: int, scale: float, out: np.ndarray,
+                             softcap: float = 0.0) -> np.ndarray:
     """Attention of several rows on a sliding layer, one query chunk at a time over only the keys its
     window can reach (keys in ascending position order, as `SlidingWindowKV.store` returns them for
     several rows).
@@ -346,5 +361,5 @@ def sliding_window_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray
         reach = slice(oldest, newest)
         attention(q[first_row:last_row], keys[:, reach], values[:, reach],
                   start_position=start_position + first_row, scale=scale, out=out[first_row:last_row],
-                  key_positions=key_positions[reach], sliding_window=window)
+                  key_positions=key_positions[reach], sliding_window=window, softcap=softcap)
     return out

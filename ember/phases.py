@@ -21,6 +21,7 @@ class ModelFamily(Enum):
     OLMO2 = "olmo2"
     GRANITE = "granite"
     SMOLLM3 = "smollm3"
+    GEMMA2 = "gemma2"
 
 
 class ExecutionPhase(Enum):

@@ -126,16 +126,18 @@ class SequenceRows:
         return np.arange(self.start_position, self.start_position + rows, dtype=np.float64)
 
     def attend(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, *, scale: float, window: int,
-               out: np.ndarray, ws: Any, keep: bool = False, pattern: Show | None = None) -> np.ndarray:
+               out: np.ndarray, ws: Any, keep: bool = False, pattern: Show | None = None,
+               softcap: float = 0.0) -> np.ndarray:
         """Store k, v at the evaluated positions of layer `layer`'s cache, then attention of q over every
         visible key (a sliding layer's window masked). `keep`: remember them for `attend_shared`.
-        `pattern`: form the attention pattern explicitly and show it (`patterned_attention`)."""
+        `pattern`: form the attention pattern explicitly and show it (`patterned_attention`). `softcap`
+        c > 0: each scaled score s becomes c·tanh(s/c) before the mask and softmax (Gemma 2)."""
         stored = self.cache.store(layer, self.start_position, k, v)
         keys, values = stored[0], stored[1]
         key_positions = stored[2] if len(stored) == 3 else None
         if keep:
             self.kept[layer] = (keys, values, key_positions)
-        return self._attention(q, keys, values, key_positions, scale, window, out, ws, pattern)
+        return self._attention(q, keys, values, key_positions, scale, window, out, ws, pattern, softcap)
 
     def attend_shared(self, layer: int, source: int, q: np.ndarray, *, scale: float, window: int,
                       out: np.ndarray, ws: Any, pattern: Show | None = None,
@@ -157,7 +159,7 @@ class SequenceRows:
 
     def _attention(self, q: np.ndarray, keys: np.ndarray, values: np.ndarray,
                    key_positions: np.ndarray | None, scale: float, window: int, out: np.ndarray,
-                   ws: Any, pattern: Show | None = None) -> np.ndarray:
+                   ws: Any, pattern: Show | None = None, softcap: float = 0.0) -> np.ndarray:
         T = q.shape[0]
         if pattern is not None:
             positions = key_positions if key_positions is not None else np.arange(keys.shape[1])
@@ -166,12 +168,12 @@ class SequenceRows:
                 keys, values, positions = keys[:, filled], values[:, filled], positions[filled]
             rows = np.arange(self.start_position, self.start_position + T)
             probabilities = np.zeros((q.shape[1], T, self.start_position + T), np.float32)
-            form_pattern(q, keys, positions, rows, scale, window, probabilities)
+            form_pattern(q, keys, positions, rows, scale, window, probabilities, softcap)
             if written(pattern, probabilities):
                 return apply_pattern(probabilities, values, positions, rows, window, out)
         if window and T > 1:
             return sliding_window_attention(q, keys, values, key_positions, self.start_position, window,
-                                            scale, out)
+                                            scale, out, softcap)
         score_scratch = getattr(ws, "score_scratch", None)
         if T == 1 and score_scratch is not None:
             kv_heads = keys.shape[0]
@@ -181,7 +183,8 @@ class SequenceRows:
         return attention(q, keys, values, start_position=self.start_position, scale=scale, out=out,
                          score_buffer=getattr(ws, "score_buffer", None), row_scratch=score_scratch,
                          spread_buffer=getattr(ws, "score_spread", None),
-                         key_positions=key_positions if window else None, sliding_window=window)
+                         key_positions=key_positions if window else None, sliding_window=window,
+                         softcap=softcap)
 
     def last_rows(self) -> np.ndarray | None:
         return None  # the last row of the workspace
@@ -288,9 +291,10 @@ class BatchRows:
     # -- attention -------------------------------------------------------------------------------
 
     def attend(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, *, scale: float, window: int,
-               out: np.ndarray, ws: Any, keep: bool = False, pattern: Show | None = None) -> np.ndarray:
+               out: np.ndarray, ws: Any, keep: bool = False, pattern: Show | None = None,
+               softcap: float = 0.0) -> np.ndarray:
         """Each row's attention over its own sequence: the saved keys before its sequence's start, then
-        its sequence's own rows up to itself (a sliding layer's window masked). `pattern`: as
+        its sequence's own rows up to itself (a sliding layer's window masked). `pattern`, `softcap`: as
         `SequenceRows.attend`, a row's columns its own sequence's positions."""
         k, v = np.ascontiguousarray(k), np.ascontiguousarray(v)
         if keep:  # copies: k and v may be views of the workspace (one row, or Gemma 4's V from K), which
@@ -303,7 +307,7 @@ class BatchRows:
         prefix_keys, prefix_values, prefix_length = self._prefix(layer, entries)
         own = np.ones(entries, np.int64)
         return self._ragged(q, k, v, prefix_keys, prefix_values, prefix_length, own, scale, window, out,
-                            pattern)
+                            pattern, softcap)
 
     def attend_shared(self, layer: int, source: int, q: np.ndarray, *, scale: float, window: int,
                       out: np.ndarray, ws: Any, pattern: Show | None = None,
@@ -376,7 +380,8 @@ class BatchRows:
 
     def _ragged(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, prefix_keys: np.ndarray,
                 prefix_values: np.ndarray, prefix_length: np.ndarray, own: np.ndarray, scale: float,
-                window: int, out: np.ndarray, pattern: Show | None = None) -> np.ndarray:
+                window: int, out: np.ndarray, pattern: Show | None = None,
+                softcap: float = 0.0) -> np.ndarray:
         rows = q.shape[0]
         if rows == 0:  # no sequence is evaluated at this layer yet (all join later)
             return out
@@ -386,15 +391,17 @@ class BatchRows:
         layout = (self.offsets[:entries + 1], self.starts[:entries], self.prefix_index[:entries],
                   prefix_length, own, self.row_entry[:rows], self.row_positions[:rows])
         shown = pattern is not None and patterned_ragged(q, k, v, prefix_keys, prefix_values, *layout, scale,
-                                                         window, pattern, out)
+                                                         window, pattern, out, softcap)
         if shown:  # the hook wrote the pattern: `out` holds the heads formed from it
             return out
         if ops.token_ops() is not None:
             kernel = ops.token_ops().ragged_attention
             parallel.share_ranges(rows, rows * q.shape[1] * 64, lambda start, stop: kernel(
-                q, k, v, prefix_keys, prefix_values, *layout, np.float32(scale), window, start, stop, heads))
+                q, k, v, prefix_keys, prefix_values, *layout, np.float32(scale), window, float(softcap),
+                start, stop, heads))
         else:
-            ragged_attention_numpy(q, k, v, prefix_keys, prefix_values, *layout, scale, window, heads)
+            ragged_attention_numpy(q, k, v, prefix_keys, prefix_values, *layout, scale, window, heads,
+                                   softcap)
         return out
 
     # -- the end ---------------------------------------------------------------------------------
@@ -476,7 +483,7 @@ def ragged_attention_numpy(q: np.ndarray, k: np.ndarray, v: np.ndarray, prefix_k
                            prefix_values: np.ndarray, offsets: np.ndarray, starts: np.ndarray,
                            prefix_index: np.ndarray, prefix_length: np.ndarray, own: np.ndarray,
                            row_entry: np.ndarray, row_positions: np.ndarray, scale: float, window: int,
-                           out: np.ndarray) -> None:
+                           out: np.ndarray, softcap: float = 0.0) -> None:
     """What `token_ops.ragged_attention` computes, in NumPy (where numba cannot run): per sequence, its
     keys (the saved ones before its start, then its own rows) and `ember.ops.attention` over them."""
     for e, span, keys, values in _sequence_keys(k, v, prefix_keys, prefix_values, offsets, prefix_index,
@@ -485,7 +492,7 @@ def ragged_attention_numpy(q: np.ndarray, k: np.ndarray, v: np.ndarray, prefix_k
         key_positions = np.arange(keys.shape[1])
         heads = np.empty((rows, q.shape[1] * values.shape[2]), np.float32)
         attention(q[span], keys, values, start_position=int(starts[e]), scale=float(scale), out=heads,
-                  key_positions=key_positions, sliding_window=window)
+                  key_positions=key_positions, sliding_window=window, softcap=softcap)
         out[span] = heads.reshape(rows, q.shape[1], -1)
 
 
@@ -493,7 +500,7 @@ def patterned_ragged(q: np.ndarray, k: np.ndarray, v: np.ndarray, prefix_keys: n
                      prefix_values: np.ndarray, offsets: np.ndarray, starts: np.ndarray,
                      prefix_index: np.ndarray, prefix_length: np.ndarray, own: np.ndarray,
                      row_entry: np.ndarray, row_positions: np.ndarray, scale: float, window: int,
-                     show: Show, out: np.ndarray) -> bool:
+                     show: Show, out: np.ndarray, softcap: float = 0.0) -> bool:
     """A batch's attention pattern formed and shown ([heads × rows, keys], a row's columns its own
     sequence's positions 0…, as many as the longest sequence's), each sequence's keys as in
     `ragged_attention_numpy`; when the hook wrote it, the heads' outputs formed from it into `out`
@@ -505,7 +512,8 @@ def patterned_ragged(q: np.ndarray, k: np.ndarray, v: np.ndarray, prefix_keys: n
     for _, span, keys, values in _sequence_keys(k, v, prefix_keys, prefix_values, offsets, prefix_index,
                                                 prefix_length, own):
         positions = np.arange(keys.shape[1])
-        form_pattern(q[span], keys, positions, row_positions[span], scale, window, probabilities[:, span])
+        form_pattern(q[span], keys, positions, row_positions[span], scale, window, probabilities[:, span],
+                     softcap)
         sequences.append((span, values, positions))
     if not written(show, probabilities):
         return False
@@ -533,16 +541,19 @@ def _visible(key_positions: np.ndarray, row_positions: np.ndarray, window: int) 
 
 
 def form_pattern(q: np.ndarray, keys: np.ndarray, key_positions: np.ndarray, row_positions: np.ndarray,
-                 scale: float, window: int, into: np.ndarray) -> None:
+                 scale: float, window: int, into: np.ndarray, softcap: float = 0.0) -> None:
     """The attention probabilities of q [T, heads, hd] over keys [kv heads, S, hd] at `key_positions`,
     written into `into` [heads, T, columns] at each key's position (the columns of keys a row does not
-    see stay as they are: zero). Query head h reads KV head h // (heads / kv heads), as the kernels."""
+    see stay as they are: zero): after the softcap when there is one, as the kernels form them. Query
+    head h reads KV head h // (heads / kv heads), as the kernels."""
     T, n_head, head_dim = q.shape
     kv = keys.shape[0]
     group = n_head // kv
     query = q.reshape(T, kv, group, head_dim).transpose(1, 2, 0, 3)  # [kv, group, T, hd]
     scores = np.matmul(query, keys.transpose(0, 2, 1)[:, None])  # [kv, group, T, S]
     scores *= np.float32(scale)
+    if softcap:
+        ops.softcap_inplace(scores, softcap)
     scores[:, :, ~_visible(key_positions, row_positions, window)] = -np.inf
     scores -= scores.max(axis=-1, keepdims=True)
     np.exp(scores, out=scores)

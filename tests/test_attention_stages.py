@@ -237,6 +237,15 @@ def test_a_shared_layer_s_written_keys_reach_that_layer_only(tiny_gemma4) -> Non
         assert np.array_equal(after[("attention_keys", first + 1)], after[("attention_keys", 2)])
 
 
+def test_tiny_gemma2_matches_transformers(tmp_path) -> None:
+    """The pattern after the attention-logit softcap (5, on scores of tens), before the mask; the even
+    layers' window (4) shorter than the prompt."""
+    from test_gemma2_tiny import PROMPT, tiny_gemma2, write_gemma2_gguf
+
+    hf = tiny_gemma2()
+    check_family(write_gemma2_gguf(hf, tmp_path / "gemma2.gguf"), hf, PROMPT, [285, 286, 287])
+
+
 REAL_PROMPT = [1, 504, 3458, 282, 4649, 314, 2114, 28, 30, 1032, 1073, 9213, 30, 2]
 REAL_DECODE = [260, 1113, 354]
 

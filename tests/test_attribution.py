@@ -154,6 +154,18 @@ def test_llama_block_variants(family, tmp_path) -> None:
     check_family(ember.load_model(path, context_length=64), QWEN3_PROMPT)
 
 
+def test_tiny_gemma2(tmp_path) -> None:
+    """Gemma 2's post-attention norm and final softcap (the attribution is the logit difference before
+    it). The final softcap is 30 here, as in the released models: the test's reference undoes it
+    (arctanh), which the tiny model's cap of 3 saturates too far to invert within the tolerance."""
+    pytest.importorskip("torch")
+    from test_gemma2_tiny import PROMPT, tiny_gemma2, write_gemma2_gguf
+
+    hf = tiny_gemma2(final_logit_softcapping=30.0)
+    model = ember.load_model(write_gemma2_gguf(hf, tmp_path / "tiny.gguf"), context_length=64)
+    check_family(model, PROMPT, softcap=model.config.final_logit_softcap)
+
+
 def test_a_head_s_contribution_is_what_zeroing_it_takes_away(tiny_qwen3) -> None:
     clean = run(tiny_qwen3, QWEN3_PROMPT)
     readout = tiny_qwen3.model_context.readout

@@ -12,7 +12,8 @@ within REAL_BOUNDARY_TOLERANCE: see there why), on every family:
   Qwen2 (Q/K/V biases), OLMo 2 (post-norms, QK-norm over all heads), Granite (multipliers) and SmolLM3
   (a layer without rope);
 * a tiny Gemma 4 with sliding and full layers, KV-shared layers and per-layer embeddings (PLE), and the
-  same with mixture-of-experts layers (8 experts, top 2, beside the dense FFN).
+  same with mixture-of-experts layers (8 experts, top 2, beside the dense FFN);
+* a tiny Gemma 2 (attention-logit softcap, window 4 on alternate layers).
 
 The tiny Gemma 3 and the llama variants are made by transformers (skipped without torch); the tiny Gemma 4
 is written from NumPy weights (tests/reference/gemma4_gguf.py).
@@ -54,7 +55,7 @@ LLAMA_VARIANTS = ("qwen2-tiny", "olmo2-tiny", "granite-tiny", "smollm3-tiny")
 FAMILIES = ["smollm2", "gemma3-270m",
             *(pytest.param(name, marks=pytest.mark.reference)
               for name in ("gemma3-tiny", "qwen3-tiny", "qwen3moe-tiny", *LLAMA_VARIANTS)),
-            "gemma4-tiny", "gemma4-moe-tiny"]
+            "gemma4-tiny", "gemma4-moe-tiny", pytest.param("gemma2-tiny", marks=pytest.mark.reference)]
 PAST_LAYER_0 = [*FAMILIES, "gemma4-tiny-nople"]
 
 
@@ -88,6 +89,14 @@ def _tiny_qwen3moe(folder: Any) -> Any:
     return ember.load_model(write_gguf(tiny_qwen3moe(), folder / "qwen3moe.gguf"), context_length=64)
 
 
+def _tiny_gemma2(folder: Any) -> Any:
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from test_gemma2_tiny import tiny_gemma2, write_gemma2_gguf
+
+    return ember.load_model(write_gemma2_gguf(tiny_gemma2(), folder / "gemma2.gguf"))
+
+
 def _tiny_gemma4(folder: Any, per_layer_input: int, moe: bool = False) -> Any:
     from reference.gemma4_gguf import Gemma4Spec, random_state, tiny_gemma4_vocab, write_gguf
 
@@ -117,6 +126,8 @@ def load(name: str, built: dict[str, Any], request: pytest.FixtureRequest,
             built[name] = _tiny_llama_variant(folder, name.removesuffix("-tiny"))
         elif name == "qwen3moe-tiny":
             built[name] = _tiny_qwen3moe(folder)
+        elif name == "gemma2-tiny":
+            built[name] = _tiny_gemma2(folder)
         else:
             built[name] = _tiny_gemma4(folder, 0 if name.endswith("nople") else 32, "moe" in name)
     return built[name]
@@ -324,8 +335,9 @@ def test_refusals_name_the_batch_sequence(small: Any) -> None:
 # --------------------------------------------------------------------------- the ragged kernel
 
 
-def _brute_force(q, k, v, prefix_keys, prefix_values, layout, scale, window):
-    """Each row's attention in float64, one key at a time: the saved keys, then its own rows."""
+def _brute_force(q, k, v, prefix_keys, prefix_values, layout, scale, window, softcap=0.0):
+    """Each row's attention in float64, one key at a time: the saved keys, then its own rows (each
+    score s as softcap·tanh(s / softcap) with a softcap, Gemma 2's)."""
     offsets, starts, prefix_index, prefix_length, own, row_entry, row_positions = layout
     rows, heads, _ = q.shape
     group = heads // k.shape[1]
@@ -340,6 +352,8 @@ def _brute_force(q, k, v, prefix_keys, prefix_values, layout, scale, window):
                 if p <= position and not (window and position - p >= window)]
         for h in range(heads):
             scores = np.array([q[r, h].astype(np.float64) @ kk[h // group] * scale for _, kk, _ in keys])
+            if softcap:
+                scores = softcap * np.tanh(scores / softcap)
             weights = np.exp(scores - scores.max())
             weights /= weights.sum()
             out[r, h] = sum(w * vv[h // group] for w, (_, _, vv) in zip(weights, keys, strict=True))
@@ -379,15 +393,18 @@ def _random_batch(rng: np.random.Generator):
     return q, k, v, prefix_keys, prefix_values, layout
 
 
-@pytest.mark.parametrize("window", [0, 3])
-def test_ragged_attention_numba_numpy_and_brute_force_agree(window: int) -> None:
+@pytest.mark.parametrize(("window", "softcap"), [(0, 0.0), (3, 0.0), (3, 0.5)])
+def test_ragged_attention_numba_numpy_and_brute_force_agree(window: int, softcap: float) -> None:
     from ember.quant import jit_unavailable
 
     q, k, v, prefix_keys, prefix_values, layout = _random_batch(np.random.default_rng(window))
-    scale = 0.35
-    expected = _brute_force(q, k, v, prefix_keys, prefix_values, layout, scale, window)
+    scale = 0.35  # scores of about ±1: a softcap of 0.5 bends them
+    expected = _brute_force(q, k, v, prefix_keys, prefix_values, layout, scale, window, softcap)
+    if softcap:  # it bends the scores: without it, far from the expected
+        uncapped = _brute_force(q, k, v, prefix_keys, prefix_values, layout, scale, window)
+        assert relative(uncapped, expected) > 0.01
     numpy_out = np.full((q.shape[0], q.shape[1], v.shape[2]), np.nan, np.float32)
-    ragged_attention_numpy(q, k, v, prefix_keys, prefix_values, *layout, scale, window, numpy_out)
+    ragged_attention_numpy(q, k, v, prefix_keys, prefix_values, *layout, scale, window, numpy_out, softcap)
     assert relative(numpy_out, expected) <= TOLERANCE
     if jit_unavailable() is not None:
         pytest.skip("numba cannot run here: the NumPy fallback is what runs")
@@ -396,8 +413,8 @@ def test_ragged_attention_numba_numpy_and_brute_force_agree(window: int) -> None
     numba_out = np.full_like(numpy_out, np.nan)
     rows = q.shape[0]
     for first, stop in ((0, 7), (7, 11), (11, rows)):  # in ranges, as the threads share them
-        ragged_attention(q, k, v, prefix_keys, prefix_values, *layout, np.float32(scale), window, first, stop,
-                         numba_out)
+        ragged_attention(q, k, v, prefix_keys, prefix_values, *layout, np.float32(scale), window, softcap,
+                         first, stop, numba_out)
     assert relative(numba_out, expected) <= TOLERANCE
     assert relative(numba_out, numpy_out) <= TOLERANCE
 

@@ -1,7 +1,8 @@
-"""`head_patching` on SmolLM2 (IOI items) and a tiny random Qwen3 (head_dim 32 ≠ hidden / heads):
+"""`head_patching` on SmolLM2 (IOI items), a tiny random Qwen3 (head_dim 32 ≠ hidden / heads) and a tiny
+Gemma 2 (soft-capped attention, sliding layers, post-attention norm):
 
 * every head of a layer patched at once is the layer's attention output patched (`activation_patching`,
-  site attention, span all): both families' output projections have no bias;
+  site attention, span all): these families' output projections have no bias;
 * the batched, prefix-reusing passes equal full one-at-a-time prefills with a hook written per patch;
 * a bad head or layer in the config ends the run with one readable line.
 
@@ -78,20 +79,41 @@ def qwen3(tmp_path_factory: pytest.TempPathFactory) -> Any:
     return ember.load_model(write_gguf(tiny_qwen3(), tmp_path_factory.mktemp("qwen3") / "tiny-qwen3.gguf"))
 
 
-@pytest.mark.reference
-def test_all_heads_of_a_layer_are_its_attention_output_qwen3(qwen3):
-    clean = (40, 71, 100, 33, 259, 120, 87, 66, 200, 5)
-    corrupted = clean[:4] + (150,) + clean[5:]
-    # answer: the clean run's top token; wrong answer: the token the corruption favours most against it
-    clean_logits, corrupted_logits = qwen3.logits(list(clean))[-1], qwen3.logits(list(corrupted))[-1]
+def token_item(model: Any, clean: tuple[int, ...], corrupted: tuple[int, ...]) -> StudyItem:
+    """An item of token ids: answer the clean run's top token, wrong answer the token the corruption
+    favours most against it."""
+    clean_logits, corrupted_logits = model.logits(list(clean))[-1], model.logits(list(corrupted))[-1]
     answer = int(np.argmax(clean_logits))
     shift = (corrupted_logits - clean_logits) - (corrupted_logits[answer] - clean_logits[answer])
     shift[answer] = -np.inf
     wrong = int(np.argmax(shift))
-    item = StudyItem(0, clean, "", corrupted_ids=corrupted, answer_ids=(answer,), wrong_answer_ids=(wrong,),
+    return StudyItem(0, clean, "", corrupted_ids=corrupted, answer_ids=(answer,), wrong_answer_ids=(wrong,),
                      answer="a", wrong_answer="b", corrupted="c")
+
+
+@pytest.mark.reference
+def test_all_heads_of_a_layer_are_its_attention_output_qwen3(qwen3):
+    clean = (40, 71, 100, 33, 259, 120, 87, 66, 200, 5)
+    item = token_item(qwen3, clean, clean[:4] + (150,) + clean[5:])
     error = all_heads_against_attention(qwen3, item, [0, 1, 2])
     print(f"\n  tiny Qwen3: every head vs the attention output, relative {error:.1e}")
+    assert error <= TOLERANCE
+
+
+@pytest.mark.reference
+def test_all_heads_of_a_layer_are_its_attention_output_gemma2(tmp_path):
+    """Tiny Gemma 2: soft-capped attention logits, a window of 4 on layers 0 and 2, the post-attention
+    norm after the output projection (all heads at once: the same normed output)."""
+    pytest.importorskip("torch")
+    from test_gemma2_tiny import PROMPT, tiny_gemma2, write_gemma2_gguf
+
+    import ember
+
+    model = ember.load_model(write_gemma2_gguf(tiny_gemma2(), tmp_path / "tiny-gemma2.gguf"))
+    clean = tuple(PROMPT)
+    item = token_item(model, clean, clean[:4] + (280,) + clean[5:])
+    error = all_heads_against_attention(model, item, [0, 1, 2, 3])
+    print(f"\n  tiny Gemma 2: every head vs the attention output, relative {error:.1e}")
     assert error <= TOLERANCE
 
 

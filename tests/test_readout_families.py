@@ -58,3 +58,13 @@ def test_llama_variant_readout(family, tmp_path):
 
     path = write_gguf(getattr(tiny_models, f"tiny_{family}")(), tmp_path / f"{family}.gguf")
     check(ember.load_model(path), [1, 40, 71, 100, 33, 259, 120])
+
+
+def test_gemma2_readout(tmp_path):
+    """With its final softcap (3: the logits are bent, so a readout without it would differ)."""
+    pytest.importorskip("torch")
+    from test_gemma2_tiny import PROMPT, tiny_gemma2, write_gemma2_gguf
+
+    import ember
+
+    check(ember.load_model(write_gemma2_gguf(tiny_gemma2(), tmp_path / "tiny.gguf")), PROMPT)

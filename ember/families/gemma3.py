@@ -68,15 +68,21 @@ class Gemma3Config(ModelConfig):
 
 
 def sliding_pattern(meta: MetadataReader, layer_count: int, window: int) -> tuple[bool, ...]:
-    """Which layers slide, the way llama.cpp reads it (`load_swa_pattern`, `set_swa_pattern`)."""
+    """Which layers slide: none without a window, else the file's pattern (`read_pattern`)."""
     if window <= 0:
         return (False,) * layer_count
-    pattern = meta.raw("attention.sliding_window_pattern", DEFAULT_SLIDING_PATTERN)
+    return read_pattern(meta, layer_count, DEFAULT_SLIDING_PATTERN)
+
+
+def read_pattern(meta: MetadataReader, layer_count: int, default: int) -> tuple[bool, ...]:
+    """Which layers the file's pattern makes sliding, the way llama.cpp reads it (`load_swa_pattern`,
+    `set_swa_pattern`): a per-layer array, or a period n (`default` when the file has no pattern)."""
+    pattern = meta.raw("attention.sliding_window_pattern", default)
     if np.ndim(pattern) == 1:
         flags = tuple(bool(v) for v in pattern)
         if len(flags) != layer_count:
             raise GGUFError(
-                f"{meta.gguf.path}: metadata 'gemma3.attention.sliding_window_pattern' has {len(flags)} "
+                f"{meta.gguf.path}: metadata '{meta.arch}.attention.sliding_window_pattern' has {len(flags)} "
                 f"entries, expected one per layer ({layer_count})"
             )
         return flags

@@ -65,15 +65,17 @@ def apply_rope(x, cos, sin, neox, rope_dim):
 
 
 @njit(fastmath=FLAGS, cache=True)
-def attend(q, keys, values, key_count, scale, position, key_positions, window, scores, out):
+def attend(q, keys, values, key_count, scale, position, key_positions, window, softcap, scores, out):
     """One query row's grouped-query attention over the cache (`ember.ops.attention` uses it for short
     caches only: see `ATTEND_LIMIT`).
 
     q [n_head, hd]; keys [n_kv, ≥L, hd], values [n_kv, ≥L, hd_v] (the cache buffers, of which the first
     L = key_count positions are read); key_positions [L] (the
     position of each key; only read with a sliding `window` > 0, which hides keys `window` or more
-    positions back); scores [n_head, L] scratch; out [n_head, hd_v]. Head h reads KV head h // group.
+    positions back); `softcap` c > 0: each scaled score s becomes c·tanh(s/c) (Gemma 2); scores [n_head,
+    L] scratch; out [n_head, hd_v]. Head h reads KV head h // group.
     """
+    cap = np.float32(softcap)
     head_count, head_dim = q.shape
     kv_count = keys.shape[0]
     group = head_count // kv_count
@@ -90,6 +92,8 @@ def attend(q, keys, values, key_count, scale, position, key_positions, window, s
             for c in range(head_dim):
                 total += q[h, c] * keys[kv, j, c]
             row[j] = total * np.float32(scale)
+            if cap > 0:
+                row[j] = cap * np.tanh(row[j] / cap)
             largest = max(largest, row[j])
         norm = np.float32(0.0)
         for j in range(key_count):
@@ -106,7 +110,7 @@ def attend(q, keys, values, key_count, scale, position, key_positions, window, s
 
 @njit(fastmath=FLAGS, cache=True, nogil=True)
 def ragged_attention(q, k, v, prefix_keys, prefix_values, offsets, starts, prefix_index, prefix_length, own,
-                     row_entry, row_positions, scale, window, first_row, stop_row, out):
+                     row_entry, row_positions, scale, window, softcap, first_row, stop_row, out):
     """Grouped-query attention of rows first_row…stop_row−1 of a batch of sequences (`ember.rows`).
 
     q [R, n_head, hd]; k, v [R', n_kv, hd] the batch's own rows (R' ≥ R); row r belongs to sequence
@@ -114,8 +118,10 @@ def ragged_attention(q, k, v, prefix_keys, prefix_values, offsets, starts, prefi
     Its keys: the saved ones of prefix prefix_index[e] at positions 0…prefix_length[e]−1
     (prefix_keys/values [prefixes, n_kv, T, hd]), then, when own[e], its sequence's own rows up to
     itself. A key at position p is seen when p ≤ the row's position and, with a sliding `window` > 0,
-    when the row's position − p < window. out [R, n_head, hd_v].
+    when the row's position − p < window. `softcap` c > 0: each scaled score s becomes c·tanh(s/c)
+    (Gemma 2). out [R, n_head, hd_v].
     """
+    cap = np.float32(softcap)
     head_count, head_dim = q.shape[1], q.shape[2]
     kv_count = k.shape[1]
     group = head_count // kv_count
@@ -143,6 +149,8 @@ def ragged_attention(q, k, v, prefix_keys, prefix_values, offsets, starts, prefi
                     for c in range(head_dim):
                         total += q[r, h, c] * prefix_keys[source, kv, j, c]
                     scores[n] = total * scale
+                    if cap > 0:
+                        scores[n] = cap * np.tanh(scores[n] / cap)
                     largest = max(largest, scores[n])
                 n += 1
             for j in range(own_first, own_last + 1):
@@ -154,6 +162,8 @@ def ragged_attention(q, k, v, prefix_keys, prefix_values, offsets, starts, prefi
                     for c in range(head_dim):
                         total += q[r, h, c] * k[j, kv, c]
                     scores[n] = total * scale
+                    if cap > 0:
+                        scores[n] = cap * np.tanh(scores[n] / cap)
                     largest = max(largest, scores[n])
                 n += 1
             norm = np.float32(0.0)
@@ -185,11 +195,11 @@ def warm_up() -> None:
     view = cache.view()
     view.flags.writeable = False
     for keys in (cache, view):  # the cache's own arrays (sliding windows) or read-only views of it
-        attend(heads[0], keys, keys, 3, 1.0, 2, np.arange(3), 0, np.empty((2, 3), np.float32),
+        attend(heads[0], keys, keys, 3, 1.0, 2, np.arange(3), 0, 0.0, np.empty((2, 3), np.float32),
                np.empty((2, 8), np.float32))
     rows = np.ones((2, 2, 8), np.float32)
     saved = np.ones((1, 1, 2, 8), np.float32)
     one = np.ones(1, np.int64)
     ragged_attention(rows, rows[:, :1].copy(), rows[:, :1].copy(), saved, saved, np.array([0, 2]),
                      np.zeros(1, np.int64), np.zeros(1, np.int64), one, one, np.zeros(2, np.int64),
-                     np.arange(2), np.float32(1.0), 0, 0, 2, np.empty((2, 2, 8), np.float32))
+                     np.arange(2), np.float32(1.0), 0, 0.0, 0, 2, np.empty((2, 2, 8), np.float32))

@@ -16,6 +16,7 @@ _ARCHITECTURES = {
     "olmo2": gguf.MODEL_ARCH.OLMO2,
     "granite": gguf.MODEL_ARCH.GRANITE,
     "smollm3": gguf.MODEL_ARCH.SMOLLM3,
+    "gemma2": gguf.MODEL_ARCH.GEMMA2,
 }
 
 
