@@ -31,6 +31,7 @@ FAMILIES: dict[str, Family] = {
     "qwen2": Family(llama.build_config, _llama_forward, llama.cache_specs),
     "granite": Family(llama.build_config, _llama_forward, llama.cache_specs),
     "smollm3": Family(llama.build_config, _llama_forward, llama.cache_specs),
+    "mistral3": Family(llama.build_config, _llama_forward, llama.cache_specs),
     "olmo2": Family(olmo2.build_config, olmo2.build_forward, olmo2.cache_specs),
     "gemma3": Family(gemma3.build_config, gemma3.build_forward, gemma3.cache_specs),
     "gemma4": Family(gemma4.build_config, gemma4.build_forward, gemma4.cache_specs),

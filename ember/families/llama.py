@@ -1,5 +1,5 @@
-"""The llama block and its variants (GGUF architectures `llama`, `qwen3`, `qwen2`, `granite`, `smollm3`),
-docs/families.md §1–§2, §7, §9, §10.
+"""The llama block and its variants (GGUF architectures `llama`, `qwen3`, `qwen2`, `granite`, `smollm3`,
+`mistral3`), docs/families.md §1–§2, §7, §9, §10, §13.
 
 One block serves them all; each difference is one named option of `LlamaConfig` or an optional tensor,
 visible where it acts below:
@@ -10,13 +10,17 @@ visible where it acts below:
 * `rope_layers`: which layers rotate Q/K at all (`smollm3`: not every 4th; `granite` with
   `rope.scaling.finetuned` false: none);
 * granite's four multipliers: embedding, residual (on both branches), attention scale, logit scale
-  (1 and 1/√head_dim elsewhere).
+  (1 and 1/√head_dim elsewhere);
+* rope scaling from the file (linear or YaRN: `ember.ops.rope_tables`; Ministral 3 has YaRN);
+* `mistral3`'s attention temperature: q times 1 + β·ln(1 + ⌊p / L⌋) at position p (β
+  `attention.temperature_scale`, L the YaRN original context; 1 where β = 0 and everywhere else).
 
 Input rows: h = E[token] · embedding_scale. Per layer l, on rows h [T, H]:
     x = RMSNorm(h, attn_norm)
     q, k, v = x Wqᵀ + bq, x Wkᵀ + bk, x Wvᵀ + bv   (biases: qwen2 only)
     q, k = RMSNorm per head (attn_q_norm, attn_k_norm)   (qwen3 only)
     q, k = rope(q), rope(k)                        (on layers with rope_layers[l])
+    q = q · temperature(p)                         (mistral3 only)
     a = attention(q, k, v; scale) Woᵀ · residual_scale   → after_attention (before the residual add)
     h = h + a
     m = (silu(y Wgᵀ) ⊙ y Wuᵀ) Wdᵀ · residual_scale,  y = RMSNorm(h, ffn_norm)   → after_mlp (before the add)
@@ -50,9 +54,11 @@ from ember.weights import WeightStore
 # this config with its own block (olmo2.py)
 FAMILY_OF_ARCHITECTURE = {"llama": ModelFamily.LLAMA, "qwen3": ModelFamily.QWEN3, "qwen2": ModelFamily.QWEN2,
                           "granite": ModelFamily.GRANITE, "smollm3": ModelFamily.SMOLLM3,
-                          "olmo2": ModelFamily.OLMO2, "qwen3moe": ModelFamily.QWEN3MOE}
+                          "olmo2": ModelFamily.OLMO2, "qwen3moe": ModelFamily.QWEN3MOE,
+                          "mistral3": ModelFamily.MISTRAL3}
 QK_NORM = ("qwen3", "qwen3moe", "olmo2")  # olmo2's spans all heads at once (olmo2.py)
-NORM_ROPE = ("llama", "granite", "smollm3")  # llama.cpp's LLAMA_ROPE_TYPE_NORM: the converter permutes Q/K
+# llama.cpp's LLAMA_ROPE_TYPE_NORM: the converter permutes Q/K
+NORM_ROPE = ("llama", "granite", "smollm3", "mistral3")
 NO_ROPE_LAYER_STEP = 4  # smollm3: llama.cpp hard-codes `n_no_rope_layer_step = 4` (no metadata key)
 
 
@@ -66,6 +72,8 @@ class LlamaConfig(ModelConfig):
     embedding_scale: float  # multiplies the input embeddings (granite; 1.0)
     residual_scale: float  # multiplies the attention and MLP outputs before each residual add (granite; 1.0)
     logit_scale: float  # the logits are divided by it (granite; 1.0)
+    temperature_scale: float  # β of mistral3's attention temperature (0: none)
+    temperature_length: int  # L: positions per temperature step (the YaRN original context)
 
 
 def granite_scale(meta: MetadataReader, key: str) -> float:
@@ -90,6 +98,19 @@ def rope_layers(meta: MetadataReader, layer_count: int) -> tuple[bool, ...]:
                             f"{finetuned!r:.80}, not a boolean")
         return (bool(finetuned),) * layer_count
     return (True,) * layer_count
+
+
+def attention_temperature(meta: MetadataReader, scaling: RopeScaling) -> tuple[float, int]:
+    """mistral3's (β, L), as llama.cpp reads them: β = `attention.temperature_scale` (absent: 0, none),
+    L = the YaRN original context (`rope.scaling.original_context_length`, else the training context;
+    llama.cpp has no key of its own for it)."""
+    if meta.arch != "mistral3":
+        return 0.0, 1
+    beta = meta.float("attention.temperature_scale", 0.0)
+    if not np.isfinite(beta):
+        raise GGUFError(f"{meta.gguf.path}: metadata 'mistral3.attention.temperature_scale' is {beta}, not a "
+                        "finite number")
+    return beta, scaling.original_context_length
 
 
 def build_config(gguf: GGUFFile) -> LlamaConfig:
@@ -118,6 +139,7 @@ def build_config(gguf: GGUFFile) -> LlamaConfig:
         if not np.isfinite(logit_scale) or logit_scale <= 0:
             raise GGUFError(f"{gguf.path}: metadata 'granite.logit_scale' is {logit_scale}; the logits are "
                             "divided by it, so it must be a positive number")
+    temperature_scale, temperature_length = attention_temperature(meta, scaling)
     tokens = gguf.metadata.get("tokenizer.ggml.tokens")
     vocab_size = meta.int("vocab_size", len(tokens) if tokens is not None else None)
     return LlamaConfig(
@@ -146,6 +168,8 @@ def build_config(gguf: GGUFFile) -> LlamaConfig:
         embedding_scale=embedding_scale or 1.0,
         residual_scale=residual_scale or 1.0,
         logit_scale=logit_scale or 1.0,
+        temperature_scale=temperature_scale,
+        temperature_length=temperature_length,
     )
 
 
@@ -277,6 +301,11 @@ class LlamaForward(Readouts):
             scaling=config.rope_scaling, frequency_factors=factors,
         )
         self.scale = config.attention_scale
+        # mistral3: the query multiplier 1 + β·ln(1 + ⌊p / L⌋) per position p, [context, 1] (None: off)
+        self.temperature = None
+        if config.temperature_scale != 0.0:
+            steps = np.floor(np.arange(context_length, dtype=np.float64) / config.temperature_length)
+            self.temperature = (1.0 + config.temperature_scale * np.log1p(steps)).astype(np.float32)[:, None]
         # llama's Q/K rows are permuted for its rope layout: the stages show them in the checkpoint's order
         norm_rope = config.rope_layout is RopeLayout.NORM
         self.checkpoint_order = checkpoint_order(config.head_dim) if norm_rope else None
@@ -340,7 +369,8 @@ class LlamaForward(Readouts):
                   hooks: Any, listened: frozenset[str]) -> np.ndarray:
         """a = attention(rope(q), rope(k), v) Woᵀ with q, k, v = x Wqᵀ + bq, x Wkᵀ + bk, x Wvᵀ + bv
         (biases where the file has them; qwen3: q, k RMSNorm-ed per head before rope; rope only on layers
-        with rope_layers[i]); each row attends over its own sequence's keys (k, v go to layer i's cache).
+        with rope_layers[i]; mistral3: q times its temperature after rope); each row attends over its own
+        sequence's keys (k, v go to layer i's cache).
         Returns ws.attention_output."""
         c = self.config
         T, hd, n_head, n_kv = len(x), c.head_dim, c.head_count, c.head_count_kv
@@ -361,6 +391,8 @@ class LlamaForward(Readouts):
             apply_rope(q, cos, sin, c.rope_layout, c.rope_dim, ws.rope_a, ws.rope_b, ws.rope_scratch)
             apply_rope(k, cos, sin, c.rope_layout, c.rope_dim, ws.rope_a[:, :n_kv], ws.rope_b[:, :n_kv],
                        k_scratch)
+        if self.temperature is not None:  # mistral3: the queries' temperature by position
+            q *= rows.take(self.temperature, T)[:, :, None]
         pattern = None
         if listened:
             show_inputs(hooks, i, listened, q, k, v, self.checkpoint_order)

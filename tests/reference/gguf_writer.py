@@ -1,6 +1,6 @@
 """Write a tiny HF llama-block model (`LlamaForCausalLM`, `Qwen3ForCausalLM`, `Qwen2ForCausalLM`,
-`Olmo2ForCausalLM`, `GraniteForCausalLM`, `SmolLM3ForCausalLM`) or `Qwen3MoeForCausalLM` as GGUF the way
-llama.cpp's converter does.
+`Olmo2ForCausalLM`, `GraniteForCausalLM`, `SmolLM3ForCausalLM`, `Ministral3ForCausalLM`) or
+`Qwen3MoeForCausalLM` as GGUF the way llama.cpp's converter does.
 
 Facts mirrored from llama.cpp's `convert_hf_to_gguf.py` (the copy vendored in llama-cpp-python 0.3.36,
 `conversion/base.py`, `conversion/llama.py`, `conversion/qwen.py`, `conversion/olmo.py`,
@@ -23,7 +23,12 @@ Facts mirrored from llama.cpp's `convert_hf_to_gguf.py` (the copy vendored in ll
 * 1-D tensors and `*_norm.weight` are always F32; every other weight takes the file type (F32, F16, Q8_0);
   a weight whose rows do not split into quantization blocks falls back to F16, as the converter does;
 * Llama-3 rope scaling becomes a generated `rope_freqs.weight` (no scaling keys); linear scaling becomes
-  `rope.scaling.type = "linear"` plus `rope.scaling.factor`;
+  `rope.scaling.type = "linear"` plus `rope.scaling.factor`; YaRN (`conversion/base.py`) becomes
+  `rope.scaling.type = "yarn"`, `.factor`, `.original_context_length`, and `.yarn_beta_fast`/`_slow`,
+  `.yarn_attn_factor` (from `attention_factor`) when the config has them;
+* `mistral3` (`conversion/mistral3.py` Ministral3Model, a `LlamaModel`: Q/K permuted) adds
+  `rope.scaling.yarn_log_multiplier` (`mscale_all_dim`) and `attention.temperature_scale`
+  (`llama_4_scaling_beta`); its config.json carries `head_dim`, so `attention.key_length` is written;
 * `llama`, `granite`, `smollm3` also get `vocab_size` and `rope.dimension_count`;
   `attention.key_length/value_length` are written when the HF config.json carries `head_dim` (always for
   qwen3; for the others only when head_dim differs from hidden/heads, like a config.json without
@@ -123,8 +128,9 @@ def tiny_vocab() -> TinyVocab:
 
 
 ARCHITECTURES = {"llama": "llama", "qwen3": "qwen3", "qwen2": "qwen2", "olmo2": "olmo2", "granite": "granite",
-                 "smollm3": "smollm3", "qwen3_moe": "qwen3moe"}  # HF model_type → GGUF architecture
-PERMUTED = ("llama", "granite", "smollm3")  # written by llama.cpp's `LlamaModel` (undo_permute)
+                 "smollm3": "smollm3", "qwen3_moe": "qwen3moe",
+                 "ministral3": "mistral3"}  # HF model_type → GGUF architecture
+PERMUTED = ("llama", "granite", "smollm3", "mistral3")  # written by llama.cpp's `LlamaModel` (undo_permute)
 
 
 def gguf_arch(model: torch.nn.Module) -> str:
@@ -280,6 +286,19 @@ def _write_metadata(writer: gguf.GGUFWriter, model: torch.nn.Module, qtype: GGML
     if params.get("rope_type") == "linear" and params.get("factor") is not None:
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(float(params["factor"]))
+    elif params.get("rope_type") == "yarn" and params.get("factor") is not None:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(float(params["factor"]))
+        writer.add_rope_scaling_orig_ctx_len(int(params["original_max_position_embeddings"]))
+        if params.get("attention_factor") is not None:
+            writer.add_rope_scaling_yarn_attn_factor(float(params["attention_factor"]))
+        if params.get("beta_fast") is not None:
+            writer.add_rope_scaling_yarn_beta_fast(float(params["beta_fast"]))
+        if params.get("beta_slow") is not None:
+            writer.add_rope_scaling_yarn_beta_slow(float(params["beta_slow"]))
+        if arch == "mistral3":
+            writer.add_rope_scaling_yarn_log_mul(float(params["mscale_all_dim"]))
+            writer.add_attn_temperature_scale(float(params["llama_4_scaling_beta"]))
     elif params.get("rope_type") not in (None, "default", "llama3"):
         raise ValueError(f"rope_type {params.get('rope_type')!r} is not written by this helper")
     if params.get("rope_theta") is not None:
@@ -287,7 +306,7 @@ def _write_metadata(writer: gguf.GGUFWriter, model: torch.nn.Module, qtype: GGML
     writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
     head_dim = _head_dim(config)
     own_head_dim = head_dim != config.hidden_size // config.num_attention_heads
-    if arch != "granite" and (arch in ("qwen3", "qwen3moe") or own_head_dim):
+    if arch != "granite" and (arch in ("qwen3", "qwen3moe", "mistral3") or own_head_dim):
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     if arch == "granite":

@@ -13,6 +13,8 @@ from transformers import (
     GraniteForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
+    Ministral3Config,
+    Ministral3ForCausalLM,
     Olmo2Config,
     Olmo2ForCausalLM,
     Qwen2Config,
@@ -27,8 +29,8 @@ from transformers import (
 
 from .gguf_writer import tiny_vocab
 
-__all__ = ["randomize", "tiny_granite", "tiny_llama", "tiny_olmo2", "tiny_qwen2", "tiny_qwen3",
-           "tiny_qwen3moe", "tiny_smollm3"]
+__all__ = ["MINISTRAL3_ROPE", "randomize", "tiny_granite", "tiny_llama", "tiny_ministral3", "tiny_olmo2",
+           "tiny_qwen2", "tiny_qwen3", "tiny_qwen3moe", "tiny_smollm3"]
 
 # what every tiny model shares: 64 wide, 4 query heads over 2 KV heads (GQA) of 16 dims, the tiny vocabulary
 _COMMON = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
@@ -189,3 +191,29 @@ def tiny_smollm3(*, seed: int = 0) -> SmolLM3ForCausalLM:
                            tie_word_embeddings=True, use_sliding_window=False, **_COMMON)
     assert config.no_rope_layers == [1, 1, 1, 0, 1]
     return _finish(SmolLM3ForCausalLM(config), seed)
+
+
+# YaRN with a ramp inside the 8 pairs of a 16-dim head (pairs 0…5: base 100, betas 1 and 0.1 over an
+# original context of 8), the cos/sin factor get_mscale(4, 1) / get_mscale(4, 0.5) ≈ 1.065, and the
+# attention temperature stepping every 8 positions (β 0.5: 1.69 at position 24; Ministral 3 has 0.1)
+MINISTRAL3_ROPE = {
+    "rope_type": "yarn",
+    "rope_theta": 100.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 8,
+    "beta_fast": 1.0,
+    "beta_slow": 0.1,
+    "mscale": 1.0,
+    "mscale_all_dim": 0.5,
+    "llama_4_scaling_beta": 0.5,
+}
+
+
+def tiny_ministral3(*, seed: int = 0, **rope_overrides) -> Ministral3ForCausalLM:
+    """3 layers, GQA, head_dim 16, separate LM head, `MINISTRAL3_ROPE` (entries replaced by
+    `rope_overrides`); max_position_embeddings = factor × the original context, as released configs."""
+    rope = MINISTRAL3_ROPE | rope_overrides
+    common = _COMMON | {"max_position_embeddings": 32}
+    config = Ministral3Config(vocab_size=len(tiny_vocab().tokens), num_hidden_layers=3, head_dim=16,
+                              rms_norm_eps=1e-5, rope_parameters=rope, tie_word_embeddings=False, **common)
+    return _finish(Ministral3ForCausalLM(config), seed)
