@@ -197,10 +197,11 @@ def test_tiny_qwen3_matches_transformers(tiny_qwen3) -> None:
     check_family(path, hf, QWEN3_PROMPT, [48, 49, 50])
 
 
-@pytest.mark.parametrize("family", ["qwen2", "olmo2", "granite", "smollm3"])
+@pytest.mark.parametrize("family", ["qwen2", "olmo2", "granite", "smollm3", "mistral3"])
 def test_tiny_llama_variants_match_transformers(family, tmp_path) -> None:
     """q/k/v biases (qwen2); QK-norm over all heads at once (olmo2); the attention multiplier and permuted
-    Q/K rows (granite); a layer without rope (smollm3, layer 3)."""
+    Q/K rows (granite); a layer without rope (smollm3, layer 3); YaRN and the query temperature
+    (mistral3)."""
     from reference import tiny_models
     from reference.gguf_writer import write_gguf
 

@@ -50,7 +50,7 @@ REAL_BOUNDARY_TOLERANCE = 2e-4
 LENGTHS = (5, 1, 12, 3, 8)  # ragged, one of length 1; 12 is longer than the tiny models' windows (4, 6)
 LONG = 2  # the index of the 12-token sequence, the one saved and reused
 
-LLAMA_VARIANTS = ("qwen2-tiny", "olmo2-tiny", "granite-tiny", "smollm3-tiny")
+LLAMA_VARIANTS = ("qwen2-tiny", "olmo2-tiny", "granite-tiny", "smollm3-tiny", "mistral3-tiny")
 # every test here takes under 20 s (measured on a busy 2-core machine: 8 s at most): none is slow
 FAMILIES = ["smollm2", "gemma3-270m",
             *(pytest.param(name, marks=pytest.mark.reference)

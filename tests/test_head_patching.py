@@ -117,6 +117,23 @@ def test_all_heads_of_a_layer_are_its_attention_output_gemma2(tmp_path):
     assert error <= TOLERANCE
 
 
+@pytest.mark.reference
+def test_all_heads_of_a_layer_are_its_attention_output_mistral3(tmp_path):
+    """Tiny Ministral 3: YaRN-scaled rope and the queries' temperature by position (it steps at 8, 16)."""
+    pytest.importorskip("torch")
+    from reference.gguf_writer import write_gguf
+    from reference.tiny_models import tiny_ministral3
+
+    import ember
+
+    model = ember.load_model(write_gguf(tiny_ministral3(), tmp_path / "tiny-mistral3.gguf"))
+    clean = (40, 71, 100, 33, 259, 120, 87, 66, 200, 5, 44, 45, 46, 47, 48, 49, 50, 51)
+    item = token_item(model, clean, clean[:4] + (150,) + clean[5:])
+    error = all_heads_against_attention(model, item, [0, 1, 2])
+    print(f"\n  tiny Ministral 3: every head vs the attention output, relative {error:.1e}")
+    assert error <= TOLERANCE
+
+
 # -- batched with prefix reuse = one at a time --------------------------------------------------------
 
 class CleanHeads(Experiment):

@@ -73,8 +73,9 @@ def test_greedy_tokens_match_transformers(tmp_path: Path) -> None:
     model = ember.load_model(write_gguf(hf, tmp_path / "tiny.gguf", pre="tekken"))
     ours = model.generate(PROMPT[:12], max_new_tokens=12, stop_at_eog=False).token_ids
     with torch.no_grad():
-        theirs = hf.generate(torch.tensor([PROMPT[:12]]), max_new_tokens=12, do_sample=False,
-                             min_new_tokens=12)[0, 12:].tolist()
+        theirs = hf.generate(
+            torch.tensor([PROMPT[:12]]), max_new_tokens=12, do_sample=False, min_new_tokens=12
+        )[0, 12:].tolist()
     assert ours == theirs
 
 
@@ -143,8 +144,11 @@ def test_the_tekken_pre_tokenizer_splits_as_its_regex() -> None:
     )
     tekken = pre_tokenizer("tekken")
     assert not tekken.clean_spaces and tekken.ignore_merges and tekken.add_bos
-    for text in ("Hello World's HTTPServer parseJSON 12345 a/b//c\n\n  x",
-                 "  CamelCaseWord, ALLCAPS lower!?/\r\n end  ", "日本語 テスト 3.14 ok"):
+    for text in (
+        "Hello World's HTTPServer parseJSON 12345 a/b//c\n\n  x",
+        "  CamelCaseWord, ALLCAPS lower!?/\r\n end  ",
+        "日本語 テスト 3.14 ok",
+    ):
         assert split(text, tekken.compiled()) == original.findall(text), text
 
 
@@ -172,12 +176,20 @@ def with_key(path: Path, out: Path, key: str, value: Any) -> Path:
     return out
 
 
-@pytest.mark.parametrize(("key", "value", "named"), [
-    ("rope.scaling.type", "longrope", "'mistral3.rope.scaling.type' is 'longrope'"),
-    ("attention.temperature_scale", "warm", "'mistral3.attention.temperature_scale' is 'warm'"),
-    ("rope.scaling.original_context_length", 0, "'mistral3.rope.scaling.original_context_length' is 0"),
-    ("rope.scaling.yarn_log_multiplier", float("nan"), "'mistral3.rope.scaling.yarn_log_multiplier' is nan"),
-], ids=["scaling_type", "temperature_text", "original_context_0", "log_multiplier_nan"])
+@pytest.mark.parametrize(
+    ("key", "value", "named"),
+    [
+        ("rope.scaling.type", "longrope", "'mistral3.rope.scaling.type' is 'longrope'"),
+        ("attention.temperature_scale", "warm", "'mistral3.attention.temperature_scale' is 'warm'"),
+        ("rope.scaling.original_context_length", 0, "'mistral3.rope.scaling.original_context_length' is 0"),
+        (
+            "rope.scaling.yarn_log_multiplier",
+            float("nan"),
+            "'mistral3.rope.scaling.yarn_log_multiplier' is nan",
+        ),
+    ],
+    ids=["scaling_type", "temperature_text", "original_context_0", "log_multiplier_nan"],
+)
 def test_bad_metadata_is_refused_in_one_line(key: str, value: Any, named: str, tmp_path: Path) -> None:
     path = write_gguf(tiny_ministral3(), tmp_path / "tiny.gguf", pre="tekken")
     with pytest.raises(GGUFError) as caught:

@@ -47,7 +47,7 @@ def test_gemma3_readout(tmp_path):
     check(ember.load_model(path), [2, 10, 11, 12, 13, 14, 15])
 
 
-@pytest.mark.parametrize("family", ["qwen2", "olmo2", "granite", "smollm3"])
+@pytest.mark.parametrize("family", ["qwen2", "olmo2", "granite", "smollm3", "mistral3"])
 def test_llama_variant_readout(family, tmp_path):
     """Granite's: with its logit scale (the LM head divides by it in both places)."""
     pytest.importorskip("torch")
