@@ -41,18 +41,31 @@ def ember_logits(path) -> np.ndarray:
     config = family.build_config(gguf)
     forward = family.build_forward(config, WeightStore(gguf), CONTEXT)
     cache = forward.new_cache(CONTEXT)
-    rows = [forward.forward(np.array(PROMPT), 0, cache, forward.new_workspace(len(PROMPT), CONTEXT),
-                            DISABLED_HOOKS, ExecutionPhase.PREFILL, all_logits=True)]
+    rows = [
+        forward.forward(
+            np.array(PROMPT),
+            0,
+            cache,
+            forward.new_workspace(len(PROMPT), CONTEXT),
+            DISABLED_HOOKS,
+            ExecutionPhase.PREFILL,
+            all_logits=True,
+        )
+    ]
     workspace = forward.new_workspace(1, CONTEXT)
     for step, token in enumerate(DECODE):
-        rows.append(forward.forward(np.array([token]), len(PROMPT) + step, cache, workspace, DISABLED_HOOKS,
-                                    ExecutionPhase.DECODE).copy())
+        rows.append(
+            forward.forward(
+                np.array([token]), len(PROMPT) + step, cache, workspace, DISABLED_HOOKS, ExecutionPhase.DECODE
+            ).copy()
+        )
     return np.concatenate(rows)
 
 
 def llama_cpp_logits(path) -> np.ndarray:
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=CONTEXT, n_batch=CONTEXT, logits_all=True,
-                          n_threads=2, verbose=False)
+    llm = llama_cpp.Llama(
+        model_path=str(path), n_ctx=CONTEXT, n_batch=CONTEXT, logits_all=True, n_threads=2, verbose=False
+    )
     try:
         llm.eval(PROMPT)
         for token in DECODE:
@@ -62,10 +75,14 @@ def llama_cpp_logits(path) -> np.ndarray:
         llm.close()
 
 
-@pytest.mark.parametrize(("qtype", "min_cosine"), [
-    (GGMLQuantizationType.F32, 0.9999),
-    (GGMLQuantizationType.Q8_0, 0.999),
-], ids=["f32", "q8_0"])
+@pytest.mark.parametrize(
+    ("qtype", "min_cosine"),
+    [
+        (GGMLQuantizationType.F32, 0.9999),
+        (GGMLQuantizationType.Q8_0, 0.999),
+    ],
+    ids=["f32", "q8_0"],
+)
 def test_llama_cpp_loads_the_file_and_agrees(tmp_path, qtype, min_cosine) -> None:
     path = write_gguf(tiny_ministral3(), tmp_path / "tiny.gguf", qtype=qtype, pre="tekken")
     ours = ember_logits(path)
@@ -74,7 +91,9 @@ def test_llama_cpp_loads_the_file_and_agrees(tmp_path, qtype, min_cosine) -> Non
     assert ours.shape == theirs.shape == (len(PROMPT) + len(DECODE), vocab)
     cosine = np.sum(ours * theirs, axis=1) / np.linalg.norm(ours, axis=1) / np.linalg.norm(theirs, axis=1)
     agreement = float(np.mean(ours.argmax(axis=1) == theirs.argmax(axis=1)))
-    print(f"\n{qtype.name}: min cosine {cosine.min():.7f}, argmax agreement {agreement:.2f}, "
-          f"max |diff| {np.abs(ours - theirs).max():.2e} (max |logit| {np.abs(theirs).max():.2f})")
+    print(
+        f"\n{qtype.name}: min cosine {cosine.min():.7f}, argmax agreement {agreement:.2f}, "
+        f"max |diff| {np.abs(ours - theirs).max():.2e} (max |logit| {np.abs(theirs).max():.2f})"
+    )
     assert cosine.min() > min_cosine
     assert agreement == 1.0
