@@ -63,8 +63,17 @@ def ember_logits(path) -> np.ndarray:
 
 
 def llama_cpp_logits(path) -> np.ndarray:
+    # llama-cpp-python passes YaRN betas of 32 and 1 unless told -1 ("from the file"), which llama.cpp's own
+    # defaults are: the file's betas are what is checked here
     llm = llama_cpp.Llama(
-        model_path=str(path), n_ctx=CONTEXT, n_batch=CONTEXT, logits_all=True, n_threads=2, verbose=False
+        model_path=str(path),
+        n_ctx=CONTEXT,
+        n_batch=CONTEXT,
+        logits_all=True,
+        n_threads=2,
+        verbose=False,
+        yarn_beta_fast=-1.0,
+        yarn_beta_slow=-1.0,
     )
     try:
         llm.eval(PROMPT)
