@@ -80,8 +80,9 @@ def tiny_phi3(seed: int = 0, *, swap_gate_up: bool = False, **overrides: Any) ->
                 param.copy_(0.5 + torch.rand(param.shape, generator=generator))
             elif name.endswith("embed_tokens.weight"):
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
-            else:  # queries and keys larger: attention far from uniform, so rope's angles matter
-                gain = 3.0 if name.endswith("qkv_proj.weight") else 1.0
+            else:  # queries and keys larger (attention far from uniform, so rope's angles matter), not
+                # so large that a row attends to one position only
+                gain = 1.5 if name.endswith("qkv_proj.weight") else 1.0
                 param.copy_(torch.randn(param.shape, generator=generator) * gain / param.shape[1] ** 0.5)
         model.model.embed_tokens.weight[:4] = 0.0  # never pick <pad>/<eos>/<bos>/<unk> greedily
         if swap_gate_up:
