@@ -13,11 +13,22 @@ from ember.tokenizer import Tokenizer
 
 CONTROL, USER_DEFINED, UNKNOWN, NORMAL, BYTE = 3, 4, 2, 1, 6
 SPECIALS = [("<unk>", UNKNOWN), ("<s>", CONTROL), ("</s>", USER_DEFINED), ("<|endoftext|>", CONTROL),
-            ("<|user|>", USER_DEFINED), ("<|end|>", CONTROL), ("<|assistant|>", USER_DEFINED)]
+            ("<|user|>", USER_DEFINED), ("<|end|>", CONTROL), ("<|assistant|>", USER_DEFINED),
+            ("<|system|>", USER_DEFINED)]
 WORDS = ["▁", "H", "i", "▁Hi", "x", "▁x"]
 
 
-def phi3_vocab(name: str) -> Tokenizer:
+# Phi-3.5-mini-instruct's template, as llama.cpp's tests carry it (tests/test-chat-template.cpp's list)
+PHI3_5_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] == 'system' and message['content'] %}"
+    "{{'<|system|>\\n' + message['content'] + '<|end|>\\n'}}{% elif message['role'] == 'user' %}"
+    "{{'<|user|>\\n' + message['content'] + '<|end|>\\n'}}{% elif message['role'] == 'assistant' %}"
+    "{{'<|assistant|>\\n' + message['content'] + '<|end|>\\n'}}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% else %}{{ eos_token }}{% endif %}"
+)
+
+
+def phi3_vocab(name: str, template: str | None = None) -> Tokenizer:
     tokens = [t for t, _ in SPECIALS] + [f"<0x{b:02X}>" for b in range(256)] + WORDS
     types = [k for _, k in SPECIALS] + [BYTE] * 256 + [NORMAL] * len(WORDS)
     scores = [0.0] * (len(SPECIALS) + 256) + [-float(i) for i in range(len(WORDS))]
@@ -28,6 +39,8 @@ def phi3_vocab(name: str) -> Tokenizer:
         "tokenizer.ggml.unknown_token_id": 0,
         "tokenizer.ggml.add_bos_token": False,
     }
+    if template is not None:
+        metadata["tokenizer.chat_template"] = template
     return Tokenizer.from_metadata(metadata)
 
 
@@ -52,3 +65,15 @@ def test_whitespace_after_phi3_special_tokens_is_dropped(name: str) -> None:
 def test_other_models_keep_the_whitespace() -> None:
     tok = phi3_vocab("Phi 3.5 Mini Instruct")  # neither "phi-3" nor "phi3": llama.cpp's rule does not fire
     assert pieces(tok, "<|user|>\nHi") == ["<|user|>", "▁", "<0x0A>", "H", "i"]
+
+
+def test_the_chat_template_from_the_file() -> None:
+    """Phi-3.5's template rendered from the file, then tokenized as llama-server does: no newline after
+    the role and end tokens, the text's own newlines kept."""
+    tok = phi3_vocab("Phi-3.5-mini-instruct", PHI3_5_TEMPLATE)
+    messages = [{"role": "system", "content": "x"}, {"role": "user", "content": "Hi\nHi"}]
+    text = tok.apply_chat_template(messages)
+    assert text == "<|system|>\nx<|end|>\n<|user|>\nHi\nHi<|end|>\n<|assistant|>\n"
+    assert [tok.vocab.tokens[i] for i in tok.encode_chat(messages)] == [
+        "<|system|>", "▁x", "<|end|>", "<|user|>", "▁", "H", "i", "<0x0A>", "H", "i", "<|end|>",
+        "<|assistant|>"]
