@@ -323,6 +323,21 @@ def test_the_keys_are_read(tmp_path: Path) -> None:
     assert defaults.rope_attention_factor == 1.0
 
 
+def test_released_shapes(tmp_path: Path) -> None:
+    """Phi-4-mini's keys (24 heads over 8 of 128 dims, 96 rotated; 131072 positions, original 4096) and
+    Phi-3.5-mini's (32 heads of 96, all rotated)."""
+    phi4 = build_config(metadata_only(tmp_path / "phi4.gguf", embedding_length=3072, attention__head_count=24,
+                                      attention__head_count_kv=8, rope__dimension_count=96, block_count=32,
+                                      context_length=131072, rope__scaling__original_context_length=4096,
+                                      rope__scaling__attn_factor=1.1902380714238083))
+    assert (phi4.head_dim, phi4.rope_dim, phi4.head_count_kv) == (128, 96, 8)
+    assert phi4.rope_original_context == 4096 and phi4.rope_attention_factor == pytest.approx(1.19023807)
+    phi35 = build_config(metadata_only(tmp_path / "phi35.gguf", embedding_length=3072,
+                                       attention__head_count=32, attention__head_count_kv=32,
+                                       rope__dimension_count=96))
+    assert (phi35.head_dim, phi35.rope_dim) == (96, 96)
+
+
 @pytest.mark.parametrize(("keys", "named"), [
     ({"rope__dimension_count": 18}, "'phi3.rope.dimension_count' is 18"),
     ({"rope__dimension_count": 0}, "'phi3.rope.dimension_count' is 0"),
