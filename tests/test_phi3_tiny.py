@@ -200,6 +200,19 @@ def test_config_read_from_the_file(case: tuple[Any, Any, list[int], str]) -> Non
     assert model._forward.rope_factors.tolist() == pytest.approx(SHORT if "short" in name else LONG)
 
 
+def test_fused_weights_stay_quantized(case: tuple[Any, Any, list[int], str]) -> None:
+    """The fused tensors are multiplied from the file's blocks as they are: never dequantized whole."""
+    model, _, _, name = case
+    if not name.startswith("q8_0"):
+        pytest.skip("F32 files hold no blocks")
+    model.generate(PROMPT[:4], max_new_tokens=2)
+    assert not model._forward.store.full_dequantizations
+    layer = model._forward.weights.layers[0]
+    assert type(layer.qkv).__name__ == type(layer.gate_up).__name__ == "QuantizedMatrix"
+    assert layer.qkv.shape == ((HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN)
+    assert layer.gate_up.shape == (2 * 96, HIDDEN)
+
+
 def compare_with_transformers(model: Any, hf: Any, prompt: list[int], steps: int) -> dict[str, float]:
     """Prefill then `steps` decode steps on ember's greedy tokens: worst relative error per boundary."""
     capture = Capture()
