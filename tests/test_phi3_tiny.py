@@ -307,6 +307,23 @@ def test_the_sliding_window_is_ignored_as_llama_cpp_does(tmp_path: Path) -> None
     assert np.array_equal(windowed.logits(PROMPT), plain.logits(PROMPT))
 
 
+def test_transformers_gguf_import_is_no_reference(tmp_path: Path) -> None:
+    """transformers' own GGUF import of a phi3 file rotates every dim with plain rope (no partial rotary,
+    no factors: docs/families.md §5); ember, which reads them, matches the model the file came from."""
+    from reference.hf_capture import load_hf_from_gguf
+
+    hf = tiny_phi3()
+    path = write_phi3_gguf(hf, tmp_path / "tiny.gguf")
+    imported = load_hf_from_gguf(path)
+    assert imported.config.rope_parameters.get("partial_rotary_factor", 1.0) == 1.0
+    assert imported.config.rope_parameters.get("rope_type") == "default"
+    ours = ember.load_model(path).logits(PROMPT)
+    with torch.no_grad():
+        theirs = hf(input_ids=torch.tensor([PROMPT])).logits[0].numpy()
+        import_s = imported(input_ids=torch.tensor([PROMPT])).logits[0].numpy()
+    assert relative(ours, theirs) <= TOLERANCE < 100 * TOLERANCE < relative(ours, import_s)
+
+
 # --------------------------------------------------------------------------- bad metadata
 
 
