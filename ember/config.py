@@ -96,16 +96,18 @@ class RopeScaling:
         return value * self.attn_factor
 
 
-def read_rope_scaling(meta: MetadataReader, context_length: int) -> RopeScaling:
+def read_rope_scaling(meta: MetadataReader, context_length: int, *,
+                      kinds: tuple[str, ...] = ROPE_SCALING_TYPES) -> RopeScaling:
     """The rope-scaling keys as llama.cpp reads them: `rope.scaling.type` (default "linear"), `.factor`
     (or the older `rope.scale_linear`; absent or 0: none), `.original_context_length` (default the
     training context), `.yarn_beta_fast`/`_slow`, `.yarn_ext_factor` (default 1 for yarn, else 0),
     `.yarn_attn_factor`, `.attn_factor`, `.yarn_log_multiplier`. A type ember cannot compute is one line
-    naming the key."""
+    naming the key. `kinds`: the types the caller computes (a family with its own tables may add
+    "longrope"; the tables of `ember.ops.rope_tables` then apply only its factor and `attn_factor`)."""
     kind = meta.raw("rope.scaling.type", "linear")
-    if kind not in ROPE_SCALING_TYPES:
+    if kind not in kinds:
         raise GGUFError(f"{meta.gguf.path}: metadata '{meta._key('rope.scaling.type')}' is {kind!r:.40}, "
-                        f"which ember does not support (only {', '.join(ROPE_SCALING_TYPES)})")
+                        f"which ember does not support here (only {', '.join(kinds)})")
     factor_key = "rope.scaling.factor" if meta.has("rope.scaling.factor") else "rope.scale_linear"
     factor = meta.float(factor_key, 0.0)
     if not np.isfinite(factor) or factor < 0:

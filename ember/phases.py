@@ -22,6 +22,7 @@ class ModelFamily(Enum):
     GRANITE = "granite"
     SMOLLM3 = "smollm3"
     GEMMA2 = "gemma2"
+    PHI3 = "phi3"
     MISTRAL3 = "mistral3"  # Ministral 3: YaRN and the attention temperature by position
 
 

@@ -38,7 +38,14 @@ from typing import Any
 import numpy as np
 
 from ember import stages
-from ember.config import MetadataReader, ModelConfig, RopeLayout, RopeScaling, read_rope_scaling
+from ember.config import (
+    ROPE_SCALING_TYPES,
+    MetadataReader,
+    ModelConfig,
+    RopeLayout,
+    RopeScaling,
+    read_rope_scaling,
+)
 from ember.errors import GGUFError
 from ember.families.head import Readouts, final_norm_and_logits
 from ember.families.inside import checkpoint_order, show_inputs
@@ -55,10 +62,11 @@ from ember.weights import WeightStore
 FAMILY_OF_ARCHITECTURE = {"llama": ModelFamily.LLAMA, "qwen3": ModelFamily.QWEN3, "qwen2": ModelFamily.QWEN2,
                           "granite": ModelFamily.GRANITE, "smollm3": ModelFamily.SMOLLM3,
                           "olmo2": ModelFamily.OLMO2, "qwen3moe": ModelFamily.QWEN3MOE,
-                          "mistral3": ModelFamily.MISTRAL3}
+                          "phi3": ModelFamily.PHI3, "mistral3": ModelFamily.MISTRAL3}
 QK_NORM = ("qwen3", "qwen3moe", "olmo2")  # olmo2's spans all heads at once (olmo2.py)
 # llama.cpp's LLAMA_ROPE_TYPE_NORM: the converter permutes Q/K
 NORM_ROPE = ("llama", "granite", "smollm3", "mistral3")
+PARTIAL_ROPE = ("qwen3", "phi3")  # may rotate fewer dims than head_dim (phi3: ember.families.phi3 checks it)
 NO_ROPE_LAYER_STEP = 4  # smollm3: llama.cpp hard-codes `n_no_rope_layer_step = 4` (no metadata key)
 
 
@@ -124,12 +132,14 @@ def build_config(gguf: GGUFFile) -> LlamaConfig:
     if value_dim != head_dim:
         raise GGUFError(f"{gguf.path}: key_length {head_dim} != value_length {value_dim} is not supported")
     rope_dim = meta.int("rope.dimension_count", head_dim)
-    if architecture != "qwen3" and rope_dim != head_dim:  # llama.cpp asserts it for these graphs
+    if architecture not in PARTIAL_ROPE and rope_dim != head_dim:  # llama.cpp asserts it for these graphs
         raise GGUFError(
             f"{gguf.path}: {architecture}.rope.dimension_count {rope_dim} must equal the head dim {head_dim}"
         )
     context_length = meta.int("context_length")
-    scaling = read_rope_scaling(meta, context_length)  # linear or YaRN; llama.cpp applies either here
+    # linear or YaRN, which llama.cpp applies in any of these graphs; phi3 makes its own LongRoPE tables
+    kinds = (*ROPE_SCALING_TYPES, "longrope") if architecture == "phi3" else ROPE_SCALING_TYPES
+    scaling = read_rope_scaling(meta, context_length, kinds=kinds)
     attention_scale = embedding_scale = residual_scale = logit_scale = 0.0
     if architecture == "granite":
         attention_scale = granite_scale(meta, "attention.scale")

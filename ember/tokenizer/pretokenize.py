@@ -81,12 +81,16 @@ QWEN2 = (_CONTRACTIONS_CI + "|[^\\r\\n{L}{N}]?[{L}]+|[{N}]| ?[^{WS}{L}{N}]+[\\r\
          + _WS_TAIL)
 QWEN35 = (_CONTRACTIONS_CI + "|[^\\r\\n{L}{N}]?[{L}{M}]+|[{N}]| ?[^{WS}{L}{M}{N}]+[\\r\\n]*|[{WS}]*[\\r\\n]+|"
           + _WS_TAIL)
-# Mistral's Tekken, as llama.cpp rewrites tokenizer.json's regex: "a letter not a-z" for the upper-case
-# classes and "a letter not A-Z" for the lower-case ones (so a non-ASCII letter is both; marks are not
-# letters), one digit per piece, and "/" may end a punctuation run
-_TEKKEN_UPPER, _TEKKEN_LOWER = "(?:(?=[{L}])[^a-z])", "(?:(?=[{L}])[^A-Z])"
-TEKKEN = ("[^\\r\\n{L}{N}]?" + _TEKKEN_UPPER + "*" + _TEKKEN_LOWER + "+|[^\\r\\n{L}{N}]?" + _TEKKEN_UPPER
-          + "+" + _TEKKEN_LOWER + "*|[{N}]| ?[^{WS}{L}{N}]+[\\r\\n/]*|[{WS}]*[\\r\\n]+|" + _WS_TAIL)
+# gpt-4o (o200k) as llama.cpp runs it on collapsed text: an upper/lower-case letter is "a letter not in
+# a-z" / "not in A-Z", so a non-ASCII letter counts as both; the contraction is the word's suffix
+_UPPER, _LOWER = "(?:(?=[{L}])[^a-z])", "(?:(?=[{L}])[^A-Z])"
+GPT4O = ("[^\\r\\n{L}{N}]?" + _UPPER + "*" + _LOWER + "+" + _CONTRACTIONS_CI + "?|"
+         "[^\\r\\n{L}{N}]?" + _UPPER + "+" + _LOWER + "*" + _CONTRACTIONS_CI + "?|"
+         "[{N}]{1,3}| ?[^{WS}{L}{N}]+[\\r\\n/]*|[{WS}]*[\\r\\n]+|" + _WS_TAIL)
+# Mistral's Tekken, as llama.cpp rewrites tokenizer.json's regex: the same upper/lower classes as gpt-4o
+# (marks are not letters), one digit per piece, and "/" may end a punctuation run
+TEKKEN = ("[^\\r\\n{L}{N}]?" + _UPPER + "*" + _LOWER + "+|[^\\r\\n{L}{N}]?" + _UPPER
+          + "+" + _LOWER + "*|[{N}]| ?[^{WS}{L}{N}]+[\\r\\n/]*|[{WS}]*[\\r\\n]+|" + _WS_TAIL)
 DIGIT = "[{N}]"
 DEFAULT = ["[{P}\\$\\+<=>\\^~\\|]+", GPT2, "[{N}]+", "[0-9][0-9][0-9]"]
 NEWLINE_RUNS = "[^\\n]+|[\\n]+"
@@ -150,6 +154,7 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     **_group("megrez stablelm2", [QWEN2]),
     **_group("qwen35", [QWEN35], clean_spaces=False),
     **_group("gemma4", [NEWLINE_RUNS]),
+    **_group("gpt-4o llama4 kanana2 talkie", [GPT4O], clean_spaces=False),
     **_group("tekken", [TEKKEN], clean_spaces=False, ignore_merges=True, add_bos=True),
 }
 
