@@ -154,8 +154,9 @@ def test_products_multiplied_each_in_one_share_equal_each_matmul(monkeypatch):
     monkeypatch.setattr(matrix_module, "PIECE_VALUES", 16 * 256)
     monkeypatch.setattr(matrix_module, "SHARED_FROM", 1)  # shared even at these sizes
     columns = 256
+    types = (Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.MXFP4)
     single = [QuantizedMatrix(f"e{i}", random_encoded(qtype, 40 + 8 * i, columns), int(qtype),
-                              (40 + 8 * i, columns)) for i, qtype in enumerate((Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.MXFP4))]
+                              (40 + 8 * i, columns)) for i, qtype in enumerate(types)]
     stack = StackedMatrix([QuantizedMatrix(f"s{i}", random_encoded(Q.Q4_K, 24, columns), int(Q.Q4_K),
                                            (24, columns)) for i in range(4)])
     weights = [*single, stack, single[0]]

@@ -227,8 +227,9 @@ class Q8_0(BlockType, qtype=Q.Q8_0):
 # exponent byte → half its power of two, 2^(e − 128) (`ggml_e8m0_to_fp32_half`: bits 0x00200000 << e
 # for e < 2, (e − 1) << 23 from 2 on; e = 0 and 1 give subnormals).
 E2M1_DOUBLED = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.float32)
-E8M0_HALF = np.where(np.arange(256) < 2, np.uint32(0x00200000) << np.arange(256, dtype=np.uint32),
-                     (np.arange(256, dtype=np.uint32) - 1) << np.uint32(23)).astype(np.uint32).view(np.float32)
+_EXPONENTS = np.arange(256, dtype=np.uint32)
+E8M0_HALF = np.where(_EXPONENTS < 2, np.uint32(0x00200000) << _EXPONENTS,
+                     (_EXPONENTS - 1) << np.uint32(23)).astype(np.uint32).view(np.float32)
 
 
 class MXFP4(BlockType, qtype=Q.MXFP4):
