@@ -22,6 +22,7 @@ class ModelFamily(Enum):
     GRANITE = "granite"
     SMOLLM3 = "smollm3"
     GEMMA2 = "gemma2"
+    GPT_OSS = "gpt-oss"  # mixture of experts with attention sinks
 
 
 class ExecutionPhase(Enum):
