@@ -48,6 +48,91 @@ class ModelConfig:
     tied_embeddings: bool
 
 
+ROPE_SCALING_TYPES = ("none", "linear", "yarn")  # llama.cpp also knows "longrope" (its own tensors)
+
+
+@dataclass(frozen=True, slots=True)
+class RopeScaling:
+    """The `<arch>.rope.scaling.*` keys, with llama.cpp's defaults (docs/families.md §0.3, "YaRN").
+
+    `kind` "none" ignores `factor`; "linear" divides every frequency by it; "yarn" ramps each frequency
+    between interpolation (divided by `factor`) and extrapolation (as is) and multiplies cos/sin by
+    `mscale`. llama.cpp reads `yarn_beta_*` and `yarn_log_multiplier` only for some architectures
+    (mistral3, grok, deepseek2); converters write the transformers values, the same as its defaults.
+    """
+
+    kind: str
+    factor: float  # 1.0: none
+    original_context_length: int  # the pretraining context; where the YaRN ramp is measured
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    ext_factor: float = 0.0  # llama.cpp: 1 for yarn, 0 otherwise, unless the file says
+    attn_factor: float = 1.0  # `rope.scaling.attn_factor`: multiplies cos/sin for every type
+    yarn_attn_factor: float = 1.0  # used only when ext_factor is 0 (llama.cpp replaces it otherwise)
+    yarn_log_multiplier: float = 0.0  # transformers' `mscale_all_dim` (0: absent)
+
+    @property
+    def frequency_scale(self) -> float:
+        """What llama.cpp multiplies the interpolated angles by: 1/factor (1 for "none")."""
+        return 1.0 if self.kind == "none" or self.factor == 0.0 else 1.0 / self.factor
+
+    @property
+    def mscale(self) -> float:
+        """The factor cos and sin are multiplied by, as llama.cpp's context setup and rope kernel give it:
+        with ext_factor ≠ 0, get_mscale(s, 1) / get_mscale(s, log_mul) (only the numerator without a
+        log multiplier), get_mscale(s, m) = 1 + 0.1·m·ln s for s > 1 else 1 (transformers' YaRN
+        `attention_factor` with mscale = 1); otherwise `yarn_attn_factor`. Times `attn_factor`."""
+        if self.ext_factor != 0.0:
+            scale = 1.0 / self.frequency_scale
+
+            def get_mscale(m: float) -> float:
+                return 1.0 if scale <= 1.0 else 0.1 * m * float(np.log(scale)) + 1.0
+
+            value = get_mscale(1.0)
+            if self.yarn_log_multiplier != 0.0:
+                value /= get_mscale(self.yarn_log_multiplier)
+        else:
+            value = self.yarn_attn_factor
+        return value * self.attn_factor
+
+
+def read_rope_scaling(meta: MetadataReader, context_length: int) -> RopeScaling:
+    """The rope-scaling keys as llama.cpp reads them: `rope.scaling.type` (default "linear"), `.factor`
+    (or the older `rope.scale_linear`; absent or 0: none), `.original_context_length` (default the
+    training context), `.yarn_beta_fast`/`_slow`, `.yarn_ext_factor` (default 1 for yarn, else 0),
+    `.yarn_attn_factor`, `.attn_factor`, `.yarn_log_multiplier`. A type ember cannot compute is one line
+    naming the key."""
+    kind = meta.raw("rope.scaling.type", "linear")
+    if kind not in ROPE_SCALING_TYPES:
+        raise GGUFError(f"{meta.gguf.path}: metadata '{meta._key('rope.scaling.type')}' is {kind!r:.40}, "
+                        f"which ember does not support (only {', '.join(ROPE_SCALING_TYPES)})")
+    factor_key = "rope.scaling.factor" if meta.has("rope.scaling.factor") else "rope.scale_linear"
+    factor = meta.float(factor_key, 0.0)
+    if not np.isfinite(factor) or factor < 0:
+        raise GGUFError(f"{meta.gguf.path}: metadata '{meta._key(factor_key)}' is {factor}; it must be a "
+                        "positive number (or 0 / absent: none)")
+    original = meta.int("rope.scaling.original_context_length", context_length)
+    if original < 1:
+        raise GGUFError(f"{meta.gguf.path}: metadata '{meta._key('rope.scaling.original_context_length')}' "
+                        f"is {original}; it must be at least 1")
+    values = {}
+    for name, key, default in (
+        ("beta_fast", "rope.scaling.yarn_beta_fast", 32.0),
+        ("beta_slow", "rope.scaling.yarn_beta_slow", 1.0),
+        ("ext_factor", "rope.scaling.yarn_ext_factor", 1.0 if kind == "yarn" else 0.0),
+        ("attn_factor", "rope.scaling.attn_factor", 1.0),
+        ("yarn_attn_factor", "rope.scaling.yarn_attn_factor", 1.0),
+        ("yarn_log_multiplier", "rope.scaling.yarn_log_multiplier", 0.0),
+    ):
+        values[name] = meta.float(key, default)
+        if not np.isfinite(values[name]):
+            raise GGUFError(f"{meta.gguf.path}: metadata '{meta._key(key)}' is {values[name]}, not a finite "
+                            "number")
+    if values["ext_factor"] < 0:  # llama.cpp: negative means "not set"
+        values["ext_factor"] = 1.0 if kind == "yarn" else 0.0
+    return RopeScaling(kind=kind, factor=factor or 1.0, original_context_length=original, **values)
+
+
 MAX_LAYERS_WITHOUT_TENSORS = 4096
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from ember import parallel
-from ember.config import RopeLayout
+from ember.config import RopeLayout, RopeScaling
 
 # numba versions of the per-token operations (`ember.quant.token_ops`), set by `use_token_ops` once the
 # quantized kernels are in use; None: NumPy everywhere.
@@ -133,21 +133,68 @@ def gelu_tanh_inplace(x: np.ndarray, scratch: np.ndarray) -> np.ndarray:
 
 
 def rope_tables(rope_dim: int, base: float, context_length: int, *, linear_factor: float = 1.0,
-                frequency_factors: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+                frequency_factors: np.ndarray | None = None, scaling: RopeScaling | None = None
+                ) -> tuple[np.ndarray, np.ndarray]:
     """cos and sin [context, rope_dim/2] of θ[p, i] = p · inv_freq[i], formed in float32 as transformers does.
 
     inv_freq[i] = 1 / base^(2i / rope_dim) / f_i / linear_factor, each step rounded to float32. A one-ulp
     difference in inv_freq moves θ by ~3e-5 rad at position 500; on Gemma 3 270M that alone put layer
     outputs 2.7e-4 (relative) away from transformers instead of 5e-5.
+
+    `scaling` (instead of linear_factor) applies the file's rope scaling as llama.cpp does: the frequency
+    divided by the factor, and with a YaRN ext_factor `yarn_frequencies` between that and the unscaled
+    one; cos and sin are multiplied by `scaling.mscale` (docs/families.md §0.3).
     """
     exponents = np.arange(0, rope_dim, 2, dtype=np.float32) / np.float32(rope_dim)
-    inverse_frequency = np.float32(1.0) / (base ** exponents.astype(np.float64)).astype(np.float32)
+    powers = (base ** exponents.astype(np.float64)).astype(np.float32)
     if frequency_factors is not None:
-        inverse_frequency = inverse_frequency / frequency_factors.astype(np.float32)
+        powers = powers * frequency_factors.astype(np.float32)
+    inverse_frequency = np.float32(1.0) / powers
+    mscale = 1.0
+    if scaling is not None:
+        if linear_factor != 1.0:
+            raise ValueError("rope_tables takes linear_factor or scaling, not both")
+        if scaling.ext_factor != 0.0:
+            inverse_frequency = yarn_frequencies(powers, rope_dim, base, scaling)
+        else:
+            linear_factor = 1.0 / scaling.frequency_scale
+        mscale = scaling.mscale
     if linear_factor != 1.0:
         inverse_frequency = inverse_frequency / np.float32(linear_factor)
     theta = np.arange(context_length, dtype=np.float32)[:, None] * inverse_frequency[None, :]
-    return np.cos(theta), np.sin(theta)
+    cos, sin = np.cos(theta), np.sin(theta)
+    if mscale != 1.0:
+        cos *= np.float32(mscale)
+        sin *= np.float32(mscale)
+    return cos, sin
+
+
+def yarn_correction_range(rope_dim: int, base: float, scaling: RopeScaling) -> tuple[float, float]:
+    """The pair indices [low, high] between which YaRN's ramp runs: the pair that turns `beta_fast`
+    (low) and `beta_slow` (high) times over the original context, floored / ceiled and clamped to
+    [0, rope_dim − 1] (llama.cpp's `ggml_rope_yarn_corr_dims`, transformers' `truncate`)."""
+
+    def dim(rotations: float) -> float:
+        ratio = scaling.original_context_length / (rotations * 2 * np.pi)
+        return rope_dim * float(np.log(ratio)) / (2 * float(np.log(base)))
+
+    return max(float(np.floor(dim(scaling.beta_fast))), 0.0), min(float(np.ceil(dim(scaling.beta_slow))),
+                                                                   rope_dim - 1.0)
+
+
+def yarn_frequencies(powers: np.ndarray, rope_dim: int, base: float, scaling: RopeScaling) -> np.ndarray:
+    """YaRN's frequencies from powers[i] = base^(2i/rope_dim) (times f_i): with
+    mix = ext_factor · (1 − clamp((i − low) / max(high − low, 0.001), 0, 1)) per pair i,
+    inv_freq = 1/(factor·powers) · (1 − mix) + 1/powers · mix: pairs below `low` (fast, many turns)
+    extrapolate (unscaled), pairs past `high` interpolate (divided by the factor). In float32, formed as
+    transformers' `_compute_yarn_parameters` forms it."""
+    low, high = yarn_correction_range(rope_dim, base, scaling)
+    pairs = np.arange(rope_dim // 2, dtype=np.float32)
+    ramp = np.clip((pairs - np.float32(low)) / np.float32(max(high - low, 0.001)), 0, 1).astype(np.float32)
+    mix = (np.float32(1.0) - ramp) * np.float32(scaling.ext_factor)
+    extrapolated = np.float32(1.0) / powers
+    interpolated = np.float32(1.0) / (np.float32(1.0 / scaling.frequency_scale) * powers)
+    return (interpolated * (np.float32(1.0) - mix) + extrapolated * mix).astype(np.float32)
 
 
 def apply_rope(

@@ -84,8 +84,8 @@ def test_granite_without_the_optional_multipliers_uses_none_as_llama_cpp_does(tm
 
 
 BAD = {
-    "qwen2-yarn": ("qwen2", {"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0},
-                   "qwen2.rope.scaling.type"),
+    "qwen2-longrope": ("qwen2", {"rope.scaling.type": "longrope", "rope.scaling.factor": 4.0},
+                       "qwen2.rope.scaling.type"),
     "olmo2-sliding": ("olmo2", {"attention.sliding_window": 4096}, "olmo2.attention.sliding_window"),
     "granite-no-logit-scale": ("granite", {"residual_scale": 0.25}, "granite.logit_scale"),
     "granite-zero-logit-scale": ("granite", {"logit_scale": 0.0}, "granite.logit_scale"),

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from ember import stages
-from ember.config import MetadataReader, ModelConfig, RopeLayout
+from ember.config import MetadataReader, ModelConfig, RopeLayout, RopeScaling, read_rope_scaling
 from ember.errors import GGUFError
 from ember.families.head import Readouts, final_norm_and_logits
 from ember.families.inside import checkpoint_order, show_inputs
@@ -60,6 +60,7 @@ NO_ROPE_LAYER_STEP = 4  # smollm3: llama.cpp hard-codes `n_no_rope_layer_step = 
 class LlamaConfig(ModelConfig):
     """The block's options (docstring above); their defaults are plain llama's."""
 
+    rope_scaling: RopeScaling  # the file's rope scaling (linear or YaRN): `ember.ops.rope_tables`
     rope_layers: tuple[bool, ...]  # per layer: whether Q/K are rotated
     attention_scale: float  # multiplies q·k: 1/√head_dim, or granite's `attention.scale`
     embedding_scale: float  # multiplies the input embeddings (granite; 1.0)
@@ -106,14 +107,8 @@ def build_config(gguf: GGUFFile) -> LlamaConfig:
         raise GGUFError(
             f"{gguf.path}: {architecture}.rope.dimension_count {rope_dim} must equal the head dim {head_dim}"
         )
-    linear_factor = 1.0
-    scaling_type = meta.raw("rope.scaling.type", "linear")
-    factor = meta.raw("rope.scaling.factor", meta.raw("rope.scale_linear"))
-    if factor and float(factor) != 1.0:
-        if scaling_type != "linear":
-            raise GGUFError(f"{gguf.path}: metadata '{architecture}.rope.scaling.type' is '{scaling_type}', "
-                            "which ember does not support (only linear)")
-        linear_factor = float(factor)
+    context_length = meta.int("context_length")
+    scaling = read_rope_scaling(meta, context_length)  # linear or YaRN; llama.cpp applies either here
     attention_scale = embedding_scale = residual_scale = logit_scale = 0.0
     if architecture == "granite":
         attention_scale = granite_scale(meta, "attention.scale")
@@ -137,14 +132,15 @@ def build_config(gguf: GGUFFile) -> LlamaConfig:
         # a mixture of experts (qwen3moe) has no dense FFN, and its file may not say one's width
         feed_forward_length=meta.int("feed_forward_length", 0 if architecture == "qwen3moe" else None),
         vocab_size=vocab_size,
-        context_length=meta.int("context_length"),
+        context_length=context_length,
         rms_norm_eps=meta.float("attention.layer_norm_rms_epsilon"),
         rope_base=meta.float("rope.freq_base", 10000.0),
         rope_dim=rope_dim,
         rope_layout=RopeLayout.NORM if architecture in NORM_ROPE else RopeLayout.NEOX,
-        rope_linear_factor=linear_factor,
+        rope_linear_factor=1.0 / scaling.frequency_scale,
         has_qk_norm=architecture in QK_NORM,
         tied_embeddings="output.weight" not in gguf.tensors,
+        rope_scaling=scaling,
         rope_layers=rope_layers(meta, layer_count),
         attention_scale=attention_scale or 1.0 / float(np.sqrt(head_dim)),
         embedding_scale=embedding_scale or 1.0,
@@ -278,7 +274,7 @@ class LlamaForward(Readouts):
         factors = store.vector("rope_freqs.weight") if store.has("rope_freqs.weight") else None
         self.rope_cos, self.rope_sin = rope_tables(
             config.rope_dim, config.rope_base, context_length,
-            linear_factor=config.rope_linear_factor, frequency_factors=factors,
+            scaling=config.rope_scaling, frequency_factors=factors,
         )
         self.scale = config.attention_scale
         # llama's Q/K rows are permuted for its rope layout: the stages show them in the checkpoint's order
