@@ -3,9 +3,9 @@
 Each of gpt-oss's own parts is switched on so that an engine without it fails: attention sinks (random
 logits of about ±2, each head's), a sliding window of 4 tokens on the even layers (prompts of 11 tokens
 need it in the prefill and every decode step crosses it), Q/K/V/O biases, the router's bias, the experts'
-biases, the clamped SwiGLU (gate and up weights large enough that |g|, |u| pass the limit 7), 8 experts of
-which each token takes 2. `test_each_part_shows` proves each one matters: transformers without it is far
-from ember.
+biases, YaRN, the clamped SwiGLU (gate and up weights large enough that |g|, |u| pass the limit 7), 8
+experts of which each token takes 2. `test_each_part_shows` proves each one matters: transformers without
+it is far from ember.
 
 Converter facts mirrored (llama.cpp `convert_hf_to_gguf.py` GptOssModel, docs/families.md §14): metadata
 `context_length`, `embedding_length`, `block_count`, `feed_forward_length`, `expert_feed_forward_length`,
@@ -17,7 +17,8 @@ transposed to [E, F, H], and their biases alike; `down_proj` [E, F, H] transpose
 released files hold), the other matrices F32 or Q8_0; transformers gets gguf-py's dequantization of the
 file, so the comparison is exact up to float32 rounding.
 
-Not covered here: YaRN (the released files' rope scaling) is not in this build (docs/families.md §14).
+YaRN is on (factor 4 over 32 positions, base 150000: the released models' shape scaled down), read by
+`ember.config.read_rope_scaling` from the converter's `rope.scaling.*` keys.
 """
 
 from __future__ import annotations
@@ -52,12 +53,17 @@ HEAD_DIM = 16
 EXPERTS, TOP_K = 8, 2
 DECODE_STEPS = 5
 PROMPT = [40, 71, 100, 33, 259, 120, 87, 66, 200, 5, 44]
+# YaRN as the released models have it (factor 32 over 4096), scaled down: factor 4 over 32 positions.
+# truncate: llama.cpp always floors / ceils the ramp's ends (ggml_rope_yarn_corr_dims), whatever the
+# checkpoint's `truncate: false` says; transformers does so with truncate on (docs/families.md §14).
+YARN = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+        "beta_fast": 32.0, "beta_slow": 1.0, "truncate": True}
 F32, Q8_0, MXFP4 = GGMLQuantizationType.F32, GGMLQuantizationType.Q8_0, GGMLQuantizationType.MXFP4
 
 
 def tiny_gptoss(seed: int = 0, **overrides: Any) -> Any:
     """4 layers (0 and 2 slide), hidden 64, 4 query heads over 2 KV heads of 16 dims, 8 experts of width
-    64 (MXFP4 blocks of 32 along both), top 2, plain rope (no YaRN)."""
+    64 (MXFP4 blocks of 32 along both), top 2, YaRN (`YARN`)."""
     from transformers import GptOssConfig as HFConfig
     from transformers import GptOssForCausalLM
 
@@ -65,7 +71,7 @@ def tiny_gptoss(seed: int = 0, **overrides: Any) -> Any:
                     num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=HEAD_DIM,
                     num_local_experts=EXPERTS, num_experts_per_tok=TOP_K, sliding_window=WINDOW,
                     max_position_embeddings=64, rms_norm_eps=1e-5,
-                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                    rope_parameters=YARN,
                     pad_token_id=2, eos_token_id=2, bos_token_id=1, tie_word_embeddings=False,
                     attn_implementation="eager") | overrides
     model = GptOssForCausalLM(HFConfig(**settings)).to(torch.float32)
@@ -142,7 +148,12 @@ def write_gptoss_gguf(model: Any, path: Path, qtype: GGMLQuantizationType = F32,
         "attention.layer_norm_rms_epsilon": float(config.rms_norm_eps),
         "attention.sliding_window": config.sliding_window,
         "rope.freq_base": float(config.rope_parameters["rope_theta"]),
-    } | (keys or {})
+    }
+    rope = config.rope_parameters
+    if rope.get("rope_type") == "yarn":  # the converter's YaRN keys
+        values |= {"rope.scaling.type": "yarn", "rope.scaling.factor": float(rope["factor"]),
+                   "rope.scaling.original_context_length": int(rope["original_max_position_embeddings"])}
+    values |= keys or {}
     writer.add_type(gguf.GGUFType.MODEL)
     writer.add_name("tiny-gpt-oss")
     for key, value in values.items():
@@ -233,6 +244,8 @@ def test_config_read_from_the_file(pair: tuple[Any, Any]) -> None:
     assert list(c.sliding_layers) == [t == "sliding_attention" for t in hf.config.layer_types]
     assert c.attention_scale == pytest.approx(HEAD_DIM ** -0.5, rel=1e-12)
     assert not c.tied_embeddings
+    assert (c.rope_scaling.kind, c.rope_scaling.factor, c.rope_scaling.original_context_length) == (
+        "yarn", 4.0, 32)
 
 
 def test_experts_are_multiplied_from_their_mxfp4_blocks(pair: tuple[Any, Any]) -> None:
@@ -264,7 +277,11 @@ def test_greedy_tokens_match_transformers(pair: tuple[Any, Any]) -> None:
 
 
 def _hf_without(part: str) -> Any:
-    hf = tiny_gptoss(**({"layer_types": ["full_attention"] * 4} if part == "sliding_window" else {}))
+    overrides: dict[str, Any] = {
+        "sliding_window": {"layer_types": ["full_attention"] * 4},
+        "yarn": {"rope_parameters": {"rope_type": "default", "rope_theta": YARN["rope_theta"]}},
+    }.get(part, {})
+    hf = tiny_gptoss(**overrides)
     with torch.no_grad():
         for layer in hf.model.layers:
             if part == "sinks":
@@ -286,7 +303,7 @@ def _hf_without(part: str) -> Any:
 
 # gpt-oss's parts switched off on the transformers side (same weights), and the boundary an engine
 # without the part first goes wrong at
-WITHOUT = {"sinks": "after_attention", "sliding_window": "after_attention",
+WITHOUT = {"sinks": "after_attention", "sliding_window": "after_attention", "yarn": "after_attention",
            "attention_biases": "after_attention", "router_bias": "after_mlp", "expert_biases": "after_mlp",
            "clamp": "after_mlp", "alpha": "after_mlp"}
 
@@ -305,27 +322,51 @@ def test_each_part_shows(part: str, tmp_path: Path) -> None:
 
 def test_the_pattern_stage_leaves_the_sink_s_share_out(pair: tuple[Any, Any]) -> None:
     """The pattern stage holds the probabilities over the real keys: each row sums to 1 − the sink's
-    share, exp(sink) / (Σ exp(scores) + exp(sink)), and the heads' outputs are those weights · v."""
+    share, exp(sink) / (Σ exp(scores) + exp(sink)), from the queries and keys the stages show."""
     from ember.experiments import Experiment
 
     model, _ = pair
 
     class Patterns(Experiment):
         name = "patterns"
-        listens = ("attention_pattern",)
 
         def __init__(self) -> None:
-            self.sums: list[np.ndarray] = []
+            self.seen: dict[tuple[str, int], np.ndarray] = {}
+
+        def begin(self, stage: str, ctx: Any, tensor: Any) -> None:
+            if ctx.execution.phase.value == "prefill":
+                self.seen[(stage, ctx.layer_index)] = tensor.values().copy()
+
+        def attention_queries(self, ctx: Any, queries: Any) -> None:
+            self.begin("q", ctx, queries)
+
+        def attention_keys(self, ctx: Any, keys: Any) -> None:
+            self.begin("k", ctx, keys)
 
         def attention_pattern(self, ctx: Any, pattern: Any) -> None:
-            self.sums.append(pattern.values().sum(axis=-1))
+            self.begin("p", ctx, pattern)
 
+    c = model.config
     watcher = Patterns()
-    plain = model.logits(PROMPT)
-    watched = model.logits(PROMPT, experiments=[watcher])
-    assert np.array_equal(plain, watched)
-    sums = np.concatenate(watcher.sums)
-    assert sums.max() < 1.0 - 1e-3 and sums.min() > 0.0  # the sinks took a share in every row
+    plain = model.generate(PROMPT, max_new_tokens=3, stop_at_eog=False).token_ids
+    watched = model.generate(PROMPT, max_new_tokens=3, stop_at_eog=False, experiments=[watcher]).token_ids
+    assert list(plain) == list(watched)  # watching changes nothing
+    T, group = len(PROMPT), c.head_count // c.head_count_kv
+    for layer, weights in enumerate(model._forward.weights.layers):
+        q = watcher.seen[("q", layer)].reshape(T, c.head_count, c.head_dim).astype(np.float64)
+        k = watcher.seen[("k", layer)].reshape(T, c.head_count_kv, c.head_dim).astype(np.float64)
+        pattern = watcher.seen[("p", layer)].reshape(c.head_count, T, -1)
+        distance = np.arange(T)[:, None] - np.arange(T)[None, :]
+        visible = (distance >= 0) & ((distance < c.sliding_window) if c.sliding_layers[layer] else True)
+        for h in range(c.head_count):
+            scores = q[:, h] @ k[:, h // group].T * c.attention_scale
+            exp = np.where(visible, np.exp(scores), 0.0)
+            sink = np.exp(float(weights.sinks[h]))
+            share = sink / (exp.sum(axis=1) + sink)
+            np.testing.assert_allclose(pattern[h].sum(axis=1), 1.0 - share, rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(pattern[h][:, :T], exp / (exp.sum(axis=1) + sink)[:, None],
+                                       rtol=1e-4, atol=1e-6)
+        assert (pattern.sum(axis=-1) < 1 - 1e-4).all()  # the sinks took a share of every row
 
 
 # --------------------------------------------------------------------------- the config reader

@@ -15,7 +15,7 @@ llama.cpp (`src/models/openai-moe-iswa.cpp`, `build_moe_ffn`), which fixes some 
 
 Input rows: h = E[token]. Per layer l, on rows h [T, H]:
     x = RMSNorm(h, attn_norm)
-    q, k, v = x Wqᵀ + bq, x Wkᵀ + bk, x Wvᵀ + bv;  q, k = NEOX rope (YaRN where the file says)
+    q, k, v = x Wqᵀ + bq, x Wkᵀ + bk, x Wvᵀ + bv;  q, k = NEOX rope (YaRN as the file says)
     p = softmax([scale · q·kᵀ masked, sink_h]) without its last column     → attention_pattern: p
     a = (p v) Woᵀ + bo                                    → after_attention (before the residual add)
     h = h + a
@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from ember import stages
-from ember.config import MetadataReader, RopeLayout
+from ember.config import MetadataReader, RopeLayout, read_rope_scaling
 from ember.errors import GGUFError
 from ember.families import llama, qwen3moe
 from ember.families.experts import mixture, route_top_logits
@@ -81,17 +81,8 @@ def build_config(gguf: GGUFFile) -> GptOssConfig:
     if rope_dim != head_dim:  # llama.cpp reshapes Q/K/V by n_rot: they must be equal
         raise GGUFError(f"{gguf.path}: metadata '{key}rope.dimension_count' is {rope_dim}; gpt-oss rotates "
                         f"whole heads (key_length {head_dim})")
-    scaling = meta.raw("rope.scaling.type", "none")
-    factor = meta.raw("rope.scaling.factor", 1.0)
-    if scaling not in ("none", "linear", "yarn"):
-        raise GGUFError(f"{gguf.path}: metadata '{key}rope.scaling.type' is {scaling!r:.40}; gpt-oss "
-                        "files use yarn")
-    linear_factor = 1.0
-    if factor is not None and float(factor) != 1.0:
-        if scaling == "yarn":
-            raise GGUFError(f"{gguf.path}: metadata '{key}rope.scaling.type' is 'yarn' (factor "
-                            f"{float(factor)}): YaRN is not in this build of ember yet")
-        linear_factor = float(factor)
+    context_length = meta.int("context_length")
+    scaling = read_rope_scaling(meta, context_length)  # the released files: YaRN, factor 32 over 4096
     experts = meta.size("expert_count")
     used = meta.size("expert_used_count")
     if used > experts:
@@ -113,14 +104,15 @@ def build_config(gguf: GGUFFile) -> GptOssConfig:
         head_dim=head_dim,
         feed_forward_length=meta.size("expert_feed_forward_length"),
         vocab_size=meta.int("vocab_size", len(tokens) if tokens is not None else None),
-        context_length=meta.int("context_length"),
+        context_length=context_length,
         rms_norm_eps=meta.float("attention.layer_norm_rms_epsilon"),
         rope_base=meta.float("rope.freq_base", 10000.0),
         rope_dim=rope_dim,
         rope_layout=RopeLayout.NEOX,
-        rope_linear_factor=linear_factor,
+        rope_linear_factor=1.0 / scaling.frequency_scale,
         has_qk_norm=False,
         tied_embeddings="output.weight" not in gguf.tensors,
+        rope_scaling=scaling,
         rope_layers=(True,) * layer_count,
         attention_scale=1.0 / float(np.sqrt(rope_dim)),
         embedding_scale=1.0,
