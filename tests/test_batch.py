@@ -55,7 +55,8 @@ LLAMA_VARIANTS = ("qwen2-tiny", "olmo2-tiny", "granite-tiny", "smollm3-tiny")
 FAMILIES = ["smollm2", "gemma3-270m",
             *(pytest.param(name, marks=pytest.mark.reference)
               for name in ("gemma3-tiny", "qwen3-tiny", "qwen3moe-tiny", *LLAMA_VARIANTS)),
-            "gemma4-tiny", "gemma4-moe-tiny", pytest.param("gemma2-tiny", marks=pytest.mark.reference)]
+            "gemma4-tiny", "gemma4-moe-tiny", pytest.param("gemma2-tiny", marks=pytest.mark.reference),
+            pytest.param("gptoss-tiny", marks=pytest.mark.reference)]
 PAST_LAYER_0 = [*FAMILIES, "gemma4-tiny-nople"]
 
 
@@ -97,6 +98,14 @@ def _tiny_gemma2(folder: Any) -> Any:
     return ember.load_model(write_gemma2_gguf(tiny_gemma2(), folder / "gemma2.gguf"))
 
 
+def _tiny_gptoss(folder: Any) -> Any:
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from test_gptoss_tiny import tiny_gptoss, write_gptoss_gguf
+
+    return ember.load_model(write_gptoss_gguf(tiny_gptoss(), folder / "gptoss.gguf"))
+
+
 def _tiny_gemma4(folder: Any, per_layer_input: int, moe: bool = False) -> Any:
     from reference.gemma4_gguf import Gemma4Spec, random_state, tiny_gemma4_vocab, write_gguf
 
@@ -128,6 +137,8 @@ def load(name: str, built: dict[str, Any], request: pytest.FixtureRequest,
             built[name] = _tiny_qwen3moe(folder)
         elif name == "gemma2-tiny":
             built[name] = _tiny_gemma2(folder)
+        elif name == "gptoss-tiny":
+            built[name] = _tiny_gptoss(folder)
         else:
             built[name] = _tiny_gemma4(folder, 0 if name.endswith("nople") else 32, "moe" in name)
     return built[name]
