@@ -43,7 +43,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from reference.compare import compare_evaluations  # noqa: E402
-from reference.ember_recorder import record_generation  # noqa: E402
+from reference.ember_recorder import BoundaryRecorder, record_generation  # noqa: E402
 from reference.gguf_writer import tiny_vocab  # noqa: E402
 from reference.hf_capture import capture  # noqa: E402
 
@@ -395,3 +395,61 @@ def test_config_without_tensors(tmp_path: Path) -> None:
     path = write_gptoss_gguf(tiny_gptoss(), tmp_path / "a.gguf")
     config = build_config(GGUFFile.open(path))
     assert config.sliding_layers == (True, False, True, False)
+
+
+# --------------------------------------------------------------------------- the router stage
+
+
+def test_the_router_stage_shows_the_biased_logits_and_a_ban_equals_transformers_without_the_expert(
+        tmp_path: Path) -> None:
+    """The `router` stage holds transformers' router logits (bias included); −inf written there for one
+    expert gives what transformers computes with that expert's logit at −inf (never among the top k)."""
+    from ember.experiments import Experiment
+
+    banned = 3
+
+    class Router(Experiment):
+        name = "router"
+
+        def __init__(self, ban: bool) -> None:
+            self.ban = ban
+            self.logits: list[np.ndarray] = []
+
+        def router(self, ctx: Any, logits: Any) -> None:
+            if ctx.execution.phase.value == "prefill":
+                self.logits.append(logits.values().copy())
+            if self.ban:
+                logits.values_mut()[:, banned] = -np.inf
+
+    hf = tiny_gptoss()
+    path = write_gptoss_gguf(hf, tmp_path / "tiny.gguf")
+    load_file_weights_into_hf(hf, path)
+    model = ember.load_model(path)
+    theirs: list[np.ndarray] = []
+    handles = [layer.mlp.router.register_forward_hook(
+        lambda module, args, output: theirs.append(output[0].detach().numpy().copy()))
+        for layer in hf.model.layers]
+    with torch.no_grad():
+        hf(input_ids=torch.tensor([PROMPT]))
+    for handle in handles:
+        handle.remove()
+    watcher = Router(ban=False)
+    model.generate(PROMPT, max_new_tokens=1, experiments=[watcher])
+    assert len(watcher.logits) == len(theirs) == model.config.layer_count
+    for ours, reference in zip(watcher.logits, theirs, strict=True):
+        assert np.abs(ours - reference).max() <= TOLERANCE * np.abs(reference).max()
+    assert any((np.argsort(-logits, axis=1)[:, :TOP_K] == banned).any() for logits in theirs)
+
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            layer.mlp.router.bias[banned] = -float("inf")
+    recorder = BoundaryRecorder()
+    generation = model.generate(PROMPT, max_new_tokens=3, temperature=0.0, add_bos=False, stop_at_eog=False,
+                                experiments=[Router(ban=True), recorder])
+    sequence = PROMPT + list(generation.token_ids)
+    for evaluation in recorder.evaluations:
+        count = evaluation.before_layer[0].shape[0]
+        evaluation.token_ids = sequence[evaluation.start_position:evaluation.start_position + count]
+    reference = capture(hf, PROMPT, list(generation.token_ids)[:2])
+    worst = compare_evaluations(recorder.evaluations, reference)
+    assert all(w.relative <= TOLERANCE for w in worst.values()), worst
