@@ -339,13 +339,13 @@ def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, *, start_posi
     group = head_count // kv_count
     value_dim = values.shape[2]
 
-    if (token_count == 1 and score_buffer is not None and sinks is None and _one_row(q, out)
+    if (token_count == 1 and score_buffer is not None and _one_row(q, out)
             and head_count * key_count * head_dim <= _token_ops.ATTEND_LIMIT
             and (full_keys := _whole_rows(keys)) is not None
             and (full_values := _whole_rows(values)) is not None):
         positions = key_positions if key_positions is not None else _position_range(key_count)
         _token_ops.attend(q[0], full_keys, full_values, key_count, scale, start_position, positions,
-                          sliding_window, softcap,
+                          sliding_window, softcap, _token_ops.NO_SINKS if sinks is None else sinks,
                           score_buffer[: head_count * key_count].reshape(head_count, key_count),
                           out.reshape(head_count, value_dim))
         return out

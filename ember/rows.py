@@ -397,11 +397,12 @@ class BatchRows:
                                                          window, pattern, out, softcap, sinks)
         if shown:  # the hook wrote the pattern: `out` holds the heads formed from it
             return out
-        if ops.token_ops() is not None and sinks is None:  # the kernel has no sinks: NumPy has
+        if ops.token_ops() is not None:
             kernel = ops.token_ops().ragged_attention
+            sink_logits = ops.token_ops().NO_SINKS if sinks is None else sinks
             parallel.share_ranges(rows, rows * q.shape[1] * 64, lambda start, stop: kernel(
                 q, k, v, prefix_keys, prefix_values, *layout, np.float32(scale), window, float(softcap),
-                start, stop, heads))
+                sink_logits, start, stop, heads))
         else:
             ragged_attention_numpy(q, k, v, prefix_keys, prefix_values, *layout, scale, window, heads,
                                    softcap, sinks)

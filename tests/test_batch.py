@@ -419,13 +419,13 @@ def test_ragged_attention_numba_numpy_and_brute_force_agree(window: int, softcap
     assert relative(numpy_out, expected) <= TOLERANCE
     if jit_unavailable() is not None:
         pytest.skip("numba cannot run here: the NumPy fallback is what runs")
-    from ember.quant.token_ops import ragged_attention
+    from ember.quant.token_ops import NO_SINKS, ragged_attention
 
     numba_out = np.full_like(numpy_out, np.nan)
     rows = q.shape[0]
     for first, stop in ((0, 7), (7, 11), (11, rows)):  # in ranges, as the threads share them
         ragged_attention(q, k, v, prefix_keys, prefix_values, *layout, np.float32(scale), window, softcap,
-                         first, stop, numba_out)
+                         NO_SINKS, first, stop, numba_out)
     assert relative(numba_out, expected) <= TOLERANCE
     assert relative(numba_out, numpy_out) <= TOLERANCE
 

@@ -453,3 +453,84 @@ def test_the_router_stage_shows_the_biased_logits_and_a_ban_equals_transformers_
     reference = capture(hf, PROMPT, list(generation.token_ids)[:2])
     worst = compare_evaluations(recorder.evaluations, reference)
     assert all(w.relative <= TOLERANCE for w in worst.values()), worst
+
+
+# --------------------------------------------------------------------------- the attention routes
+
+
+def _sink_attention(q, keys, values, scale, sinks, window):
+    """Float64, one row at a time (row t at position t over keys 0…t, the window's only): the
+    probabilities over the keys [heads, T, L] and the heads' outputs [T, heads·hd]."""
+    T, heads, hd = q.shape
+    group = heads // keys.shape[0]
+    probabilities = np.zeros((heads, T, keys.shape[1]))
+    for t in range(T):
+        seen = [p for p in range(t + 1) if not (window and t - p >= window)]
+        for h in range(heads):
+            scores = keys[h // group, seen].astype(np.float64) @ q[t, h] * scale
+            top = max(scores.max(), float(sinks[h]))
+            weights = np.exp(scores - top)
+            probabilities[h, t, seen] = weights / (weights.sum() + np.exp(float(sinks[h]) - top))
+    out = np.einsum("htl,hld->thd", probabilities, np.repeat(values, group, axis=0).astype(np.float64))
+    return probabilities, out.reshape(T, -1)
+
+
+@pytest.mark.parametrize("window", [0, 3])
+def test_every_attention_route_gives_the_sinks_their_share(window: int, monkeypatch: Any) -> None:
+    """Several rows, one row in NumPy and in numba (`ember.ops.attention`), a batch's rows in NumPy and in
+    numba (`ember.rows`), and the pattern the hooks see: each the float64 softmax with the sink logits."""
+    from reference.compare import relative_error
+
+    from ember import ops
+    from ember.quant import jit_unavailable
+    from ember.rows import form_pattern, ragged_attention_numpy
+
+    rng = np.random.default_rng(window)
+    T, heads, kv, hd, scale = 9, 4, 2, 8, 0.35
+    q = rng.standard_normal((T, heads, hd)).astype(np.float32)
+    keys = rng.standard_normal((kv, T, hd)).astype(np.float32)
+    values = rng.standard_normal((kv, T, hd)).astype(np.float32)
+    sinks = np.array([-1.0, 0.5, 2.0, 4.0], np.float32)
+    probabilities, expected = _sink_attention(q, keys, values, scale, sinks, window)
+    assert relative_error(_sink_attention(q, keys, values, scale, sinks - 1e4, window)[1], expected)[0] > 0.05
+    positions = np.arange(T)
+
+    def close(ours: np.ndarray, reference: np.ndarray) -> bool:
+        return relative_error(ours.reshape(reference.shape), reference)[0] <= 1e-5
+
+    several = ops.attention(q, keys, values, start_position=0, scale=scale, out=np.empty((T, heads * hd),
+                            np.float32), key_positions=positions if window else None, sliding_window=window,
+                            sinks=sinks)
+    assert close(several, expected)
+    pattern = np.zeros((heads, T, T), np.float32)
+    form_pattern(q, keys, positions, positions, scale, window, pattern, sinks=sinks)
+    assert close(pattern.reshape(heads * T, T), probabilities.reshape(heads * T, T))
+
+    def last_row() -> np.ndarray:
+        return ops.attention(q[-1:], keys, values, start_position=T - 1, scale=scale,
+                             out=np.empty((1, heads * hd), np.float32),
+                             score_buffer=np.empty(heads * T, np.float32),
+                             row_scratch=np.empty((kv, heads // kv, 1), np.float32),
+                             spread_buffer=np.empty(heads * T, np.float32), key_positions=positions,
+                             sliding_window=window, sinks=sinks)
+
+    # the batch's route: one sequence of all T rows, nothing saved before it
+    layout = (np.array([0, T]), np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64),
+              np.ones(1, np.int64), np.zeros(T, np.int64), positions)
+    k_rows, v_rows = keys.transpose(1, 0, 2).copy(), values.transpose(1, 0, 2).copy()
+    empty = np.zeros((1, kv, 0, hd), np.float32)
+    ragged = np.empty((T, heads, hd), np.float32)
+    ragged_attention_numpy(q, k_rows, v_rows, empty, empty, *layout, scale, window, ragged, sinks=sinks)
+    assert close(ragged, expected)
+
+    monkeypatch.setattr(ops, "_token_ops", None)
+    assert close(last_row(), expected[-1:])
+    if jit_unavailable() is None:
+        from ember.quant import token_ops
+
+        monkeypatch.setattr(ops, "_token_ops", token_ops)
+        assert close(last_row(), expected[-1:])
+        ragged[...] = np.nan
+        token_ops.ragged_attention(q, k_rows, v_rows, empty, empty, *layout, np.float32(scale), window, 0.0,
+                                   sinks, 0, T, ragged)
+        assert close(ragged, expected)
