@@ -391,12 +391,6 @@ def test_bad_metadata_or_tensors_end_in_one_line_naming_the_key(change: dict, na
     assert named in message and "\n" not in message, message
 
 
-def test_config_without_tensors(tmp_path: Path) -> None:
-    path = write_gptoss_gguf(tiny_gptoss(), tmp_path / "a.gguf")
-    config = build_config(GGUFFile.open(path))
-    assert config.sliding_layers == (True, False, True, False)
-
-
 # --------------------------------------------------------------------------- the router stage
 
 
@@ -534,3 +528,38 @@ def test_every_attention_route_gives_the_sinks_their_share(window: int, monkeypa
         token_ops.ragged_attention(q, k_rows, v_rows, empty, empty, *layout, np.float32(scale), window, 0.0,
                                    sinks, 0, T, ragged)
         assert close(ragged, expected)
+
+
+def test_a_gpt_oss_20b_shaped_file_reads_as_llama_cpp_reads_it(tmp_path: Path) -> None:
+    """gpt-oss-20b's metadata (no tensors): 24 layers, 64 query heads over 8 KV heads of 64, a window of
+    128 on the even layers, YaRN 32 over 4096, 32 experts of width 2880, 4 used. The memory estimate
+    keeps the full layers' keys and values for every position, the sliding ones' for 128."""
+    from ember.families import FAMILIES
+    from ember.memory import estimate_memory
+
+    writer = gguf.GGUFWriter(tmp_path / "20b.gguf", "gpt-oss")
+    for key, value in {"context_length": 131072, "embedding_length": 2880, "block_count": 24,
+                       "feed_forward_length": 2880, "expert_feed_forward_length": 2880, "expert_count": 32,
+                       "expert_used_count": 4, "attention.head_count": 64, "attention.head_count_kv": 8,
+                       "attention.key_length": 64, "attention.value_length": 64,
+                       "attention.sliding_window": 128, "rope.scaling.original_context_length": 4096}.items():
+        writer.add_uint32(f"gpt-oss.{key}", value)
+    for key, value in {"attention.layer_norm_rms_epsilon": 1e-5, "rope.freq_base": 150000.0,
+                       "rope.scaling.factor": 32.0}.items():
+        writer.add_float32(f"gpt-oss.{key}", value)
+    writer.add_string("gpt-oss.rope.scaling.type", "yarn")
+    writer.add_token_list(["<|endoftext|>", "a", "b"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    file = GGUFFile.open(tmp_path / "20b.gguf")
+    config = build_config(file)
+    assert config.sliding_layers == (True, False) * 12 and config.sliding_window == 128
+    assert config.attention_scale == pytest.approx(1 / 8) and config.feed_forward_length == 2880
+    assert (config.rope_scaling.kind, config.rope_scaling.factor) == ("yarn", 32.0)
+    assert config.rope_scaling.original_context_length == 4096
+    estimate = estimate_memory(file, config, FAMILIES["gpt-oss"].cache_specs(config), 8192, "quantized")
+    per_position = 2 * 8 * 64 * 4  # one layer's float32 keys and values at one position
+    assert estimate.kv_bytes_per_token == 12 * per_position
+    assert estimate.kv_cache == 12 * per_position * (8192 + 128)
