@@ -22,6 +22,7 @@ class ModelFamily(Enum):
     GRANITE = "granite"
     SMOLLM3 = "smollm3"
     GEMMA2 = "gemma2"
+    PHI3 = "phi3"
     GPT_OSS = "gpt-oss"  # mixture of experts with attention sinks
 
 

@@ -246,6 +246,15 @@ def test_tiny_gemma2_matches_transformers(tmp_path) -> None:
     check_family(write_gemma2_gguf(hf, tmp_path / "gemma2.gguf"), hf, PROMPT, [285, 286, 287])
 
 
+def test_tiny_phi3_matches_transformers(tmp_path) -> None:
+    """Queries and keys split from the fused qkv, rotated over half of each head with LongRoPE's long
+    factors (the prompt is past the original context of 8) and the attention factor on cos and sin."""
+    from test_phi3_tiny import PROMPT, tiny_phi3, write_phi3_gguf
+
+    hf = tiny_phi3()
+    check_family(write_phi3_gguf(hf, tmp_path / "phi3.gguf"), hf, PROMPT, [285, 286, 287])
+
+
 REAL_PROMPT = [1, 504, 3458, 282, 4649, 314, 2114, 28, 30, 1032, 1073, 9213, 30, 2]
 REAL_DECODE = [260, 1113, 354]
 

@@ -166,6 +166,15 @@ def test_tiny_gemma2(tmp_path) -> None:
     check_family(model, PROMPT, softcap=model.config.final_logit_softcap)
 
 
+def test_tiny_phi3(tmp_path) -> None:
+    """Phi-3's fused tensors and LongRoPE (a plain residual stream and LM head: nothing to undo)."""
+    pytest.importorskip("torch")
+    from test_phi3_tiny import PROMPT, tiny_phi3, write_phi3_gguf
+
+    model = ember.load_model(write_phi3_gguf(tiny_phi3(), tmp_path / "tiny.gguf"), context_length=64)
+    check_family(model, PROMPT)
+
+
 def test_a_head_s_contribution_is_what_zeroing_it_takes_away(tiny_qwen3) -> None:
     clean = run(tiny_qwen3, QWEN3_PROMPT)
     readout = tiny_qwen3.model_context.readout

@@ -55,8 +55,9 @@ LLAMA_VARIANTS = ("qwen2-tiny", "olmo2-tiny", "granite-tiny", "smollm3-tiny")
 FAMILIES = ["smollm2", "gemma3-270m",
             *(pytest.param(name, marks=pytest.mark.reference)
               for name in ("gemma3-tiny", "qwen3-tiny", "qwen3moe-tiny", *LLAMA_VARIANTS)),
-            "gemma4-tiny", "gemma4-moe-tiny", pytest.param("gemma2-tiny", marks=pytest.mark.reference),
-            pytest.param("gptoss-tiny", marks=pytest.mark.reference)]
+            "gemma4-tiny", "gemma4-moe-tiny", pytest.param("gemma2-tiny", marks=pytest.mark.reference)]
+FAMILIES.append(pytest.param("phi3-tiny", marks=pytest.mark.reference))  # fused qkv/gate_up, LongRoPE
+FAMILIES.append(pytest.param("gptoss-tiny", marks=pytest.mark.reference))  # sinks, MXFP4 experts
 PAST_LAYER_0 = [*FAMILIES, "gemma4-tiny-nople"]
 
 
@@ -98,6 +99,14 @@ def _tiny_gemma2(folder: Any) -> Any:
     return ember.load_model(write_gemma2_gguf(tiny_gemma2(), folder / "gemma2.gguf"))
 
 
+def _tiny_phi3(folder: Any) -> Any:
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from test_phi3_tiny import tiny_phi3, write_phi3_gguf
+
+    return ember.load_model(write_phi3_gguf(tiny_phi3(), folder / "phi3.gguf"))
+
+
 def _tiny_gptoss(folder: Any) -> Any:
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
@@ -137,6 +146,8 @@ def load(name: str, built: dict[str, Any], request: pytest.FixtureRequest,
             built[name] = _tiny_qwen3moe(folder)
         elif name == "gemma2-tiny":
             built[name] = _tiny_gemma2(folder)
+        elif name == "phi3-tiny":
+            built[name] = _tiny_phi3(folder)
         elif name == "gptoss-tiny":
             built[name] = _tiny_gptoss(folder)
         else:

@@ -117,6 +117,22 @@ def test_all_heads_of_a_layer_are_its_attention_output_gemma2(tmp_path):
     assert error <= TOLERANCE
 
 
+@pytest.mark.reference
+def test_all_heads_of_a_layer_are_its_attention_output_phi3(tmp_path):
+    """Tiny Phi-3: heads from the fused qkv, partial rotary with LongRoPE."""
+    pytest.importorskip("torch")
+    from test_phi3_tiny import PROMPT, tiny_phi3, write_phi3_gguf
+
+    import ember
+
+    model = ember.load_model(write_phi3_gguf(tiny_phi3(), tmp_path / "tiny-phi3.gguf"))
+    clean = tuple(PROMPT)
+    item = token_item(model, clean, clean[:4] + (280,) + clean[5:])
+    error = all_heads_against_attention(model, item, [0, 1, 2])
+    print(f"\n  tiny Phi-3: every head vs the attention output, relative {error:.1e}")
+    assert error <= TOLERANCE
+
+
 # -- batched with prefix reuse = one at a time --------------------------------------------------------
 
 class CleanHeads(Experiment):

@@ -68,3 +68,13 @@ def test_gemma2_readout(tmp_path):
     import ember
 
     check(ember.load_model(write_gemma2_gguf(tiny_gemma2(), tmp_path / "tiny.gguf")), PROMPT)
+
+
+def test_phi3_readout(tmp_path):
+    """Fused qkv and gate_up, partial rotary with LongRoPE."""
+    pytest.importorskip("torch")
+    from test_phi3_tiny import PROMPT, tiny_phi3, write_phi3_gguf
+
+    import ember
+
+    check(ember.load_model(write_phi3_gguf(tiny_phi3(), tmp_path / "tiny.gguf")), PROMPT)

@@ -50,9 +50,11 @@ from ember.weights import WeightStore
 # this config with its own block (olmo2.py)
 FAMILY_OF_ARCHITECTURE = {"llama": ModelFamily.LLAMA, "qwen3": ModelFamily.QWEN3, "qwen2": ModelFamily.QWEN2,
                           "granite": ModelFamily.GRANITE, "smollm3": ModelFamily.SMOLLM3,
-                          "olmo2": ModelFamily.OLMO2, "qwen3moe": ModelFamily.QWEN3MOE}
+                          "olmo2": ModelFamily.OLMO2, "qwen3moe": ModelFamily.QWEN3MOE,
+                          "phi3": ModelFamily.PHI3}
 QK_NORM = ("qwen3", "qwen3moe", "olmo2")  # olmo2's spans all heads at once (olmo2.py)
 NORM_ROPE = ("llama", "granite", "smollm3")  # llama.cpp's LLAMA_ROPE_TYPE_NORM: the converter permutes Q/K
+PARTIAL_ROPE = ("qwen3", "phi3")  # may rotate fewer dims than head_dim (phi3: ember.families.phi3 checks it)
 NO_ROPE_LAYER_STEP = 4  # smollm3: llama.cpp hard-codes `n_no_rope_layer_step = 4` (no metadata key)
 
 
@@ -103,7 +105,7 @@ def build_config(gguf: GGUFFile) -> LlamaConfig:
     if value_dim != head_dim:
         raise GGUFError(f"{gguf.path}: key_length {head_dim} != value_length {value_dim} is not supported")
     rope_dim = meta.int("rope.dimension_count", head_dim)
-    if architecture != "qwen3" and rope_dim != head_dim:  # llama.cpp asserts it for these graphs
+    if architecture not in PARTIAL_ROPE and rope_dim != head_dim:  # llama.cpp asserts it for these graphs
         raise GGUFError(
             f"{gguf.path}: {architecture}.rope.dimension_count {rope_dim} must equal the head dim {head_dim}"
         )

@@ -81,6 +81,12 @@ QWEN2 = (_CONTRACTIONS_CI + "|[^\\r\\n{L}{N}]?[{L}]+|[{N}]| ?[^{WS}{L}{N}]+[\\r\
          + _WS_TAIL)
 QWEN35 = (_CONTRACTIONS_CI + "|[^\\r\\n{L}{N}]?[{L}{M}]+|[{N}]| ?[^{WS}{L}{M}{N}]+[\\r\\n]*|[{WS}]*[\\r\\n]+|"
           + _WS_TAIL)
+# gpt-4o (o200k) as llama.cpp runs it on collapsed text: an upper/lower-case letter is "a letter not in
+# a-z" / "not in A-Z", so a non-ASCII letter counts as both; the contraction is the word's suffix
+_UPPER, _LOWER = "(?:(?=[{L}])[^a-z])", "(?:(?=[{L}])[^A-Z])"
+GPT4O = ("[^\\r\\n{L}{N}]?" + _UPPER + "*" + _LOWER + "+" + _CONTRACTIONS_CI + "?|"
+         "[^\\r\\n{L}{N}]?" + _UPPER + "+" + _LOWER + "*" + _CONTRACTIONS_CI + "?|"
+         "[{N}]{1,3}| ?[^{WS}{L}{N}]+[\\r\\n/]*|[{WS}]*[\\r\\n]+|" + _WS_TAIL)
 DIGIT = "[{N}]"
 DEFAULT = ["[{P}\\$\\+<=>\\^~\\|]+", GPT2, "[{N}]+", "[0-9][0-9][0-9]"]
 NEWLINE_RUNS = "[^\\n]+|[\\n]+"
@@ -144,6 +150,7 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     **_group("megrez stablelm2", [QWEN2]),
     **_group("qwen35", [QWEN35], clean_spaces=False),
     **_group("gemma4", [NEWLINE_RUNS]),
+    **_group("gpt-4o llama4 kanana2 talkie", [GPT4O], clean_spaces=False),
 }
 
 

@@ -10,11 +10,19 @@ from __future__ import annotations
 
 import re
 
-from ember.tokenizer.vocab import ATTR_CONTROL, ATTR_UNKNOWN, ATTR_USER_DEFINED, Vocab
+from ember.tokenizer.vocab import (
+    ATTR_CONTROL,
+    ATTR_LSTRIP,
+    ATTR_RSTRIP,
+    ATTR_UNKNOWN,
+    ATTR_USER_DEFINED,
+    Vocab,
+)
 
 Fragment = str | int  # raw text, or a token id already decided
 
 _PREFIX = 3  # candidates are bucketed by their first characters to find the ones present quickly
+_C_SPACE = " \t\n\v\f\r"  # C's isspace, what llama.cpp strips beside an LSTRIP / RSTRIP token
 
 
 class SpecialSplitter:
@@ -28,6 +36,8 @@ class SpecialSplitter:
         self._order = {token: rank for rank, token in enumerate(candidates)}
         self._text = {i: vocab.tokens[i] for i in candidates}
         self._always = {i for i in candidates if not vocab.attrs[i] & (ATTR_CONTROL | ATTR_UNKNOWN)}
+        self._lstrip = {i for i in candidates if vocab.attrs[i] & ATTR_LSTRIP}
+        self._rstrip = {i for i in candidates if vocab.attrs[i] & ATTR_RSTRIP}
         self._short: list[int] = []
         self._buckets: dict[str, list[int]] = {}
         for i in candidates:
@@ -67,9 +77,14 @@ class SpecialSplitter:
                     out.append(fragment)
                     continue
                 parts = fragment.split(needle)
+                last = len(parts) - 1
                 for k, part in enumerate(parts):
                     if k:
                         out.append(token)
+                        if token in self._rstrip:
+                            part = part.lstrip(_C_SPACE)
+                    if k < last and token in self._lstrip:
+                        part = part.rstrip(_C_SPACE)
                     if part:
                         out.append(part)
             fragments = out

@@ -24,6 +24,8 @@ ATTR_NORMAL = 1 << 2
 ATTR_CONTROL = 1 << 3
 ATTR_USER_DEFINED = 1 << 4
 ATTR_BYTE = 1 << 5
+ATTR_LSTRIP = 1 << 7  # whitespace before the token is dropped from text around it (llama.cpp's bits)
+ATTR_RSTRIP = 1 << 8  # whitespace after it is dropped
 
 _TYPE_TO_ATTR = {1: ATTR_NORMAL, 2: ATTR_UNKNOWN, 3: ATTR_CONTROL, 4: ATTR_USER_DEFINED, 5: ATTR_UNUSED,
                  6: ATTR_BYTE}
@@ -163,6 +165,7 @@ class Vocab:
             add_bos = True  # llama.cpp forces it for Gemma 4 (ggml-org/llama.cpp#21500)
 
         eog_ids = _apply_text_rules(tokens, token_to_id, attrs, special)
+        _apply_name_rules(str(metadata.get("general.name", "")), token_to_id, attrs)
         chat_template = metadata.get("tokenizer.chat_template")
         return cls(
             model=model, tokens=tokens, token_to_id=token_to_id, scores=scores, attrs=attrs, special=special,
@@ -185,6 +188,23 @@ def _merge_ranks(metadata: Mapping[str, Any], model: str) -> dict[str, int]:
         raise TokenizerError(f"vocabulary type {model!r} needs tokenizer.ggml.merges, which the file lacks")
     count = len(merges)
     return dict(zip(reversed(merges), range(count - 1, -1, -1), strict=True))
+
+
+def _apply_name_rules(model_name: str, token_to_id: dict[str, int], attrs: list[int]) -> None:
+    """llama.cpp's attributes by model name: a Phi-3 vocabulary (`general.name` containing "phi-3" or
+    "phi3", any case) drops whitespace after every special token but <unk>, <s> and <|endoftext|>, so
+    "<|user|>\nHi" tokenizes as <|user|> Hi (llama.cpp requires a </s> there; ember does not)."""
+    name = model_name.lower()
+    if "phi-3" not in name and "phi3" not in name:
+        return
+    for i, attr in enumerate(attrs):
+        if attr & (ATTR_CONTROL | ATTR_USER_DEFINED | ATTR_UNKNOWN):
+            attrs[i] |= ATTR_RSTRIP
+    if "</s>" in token_to_id:
+        attrs[token_to_id["</s>"]] |= ATTR_RSTRIP
+    for text in ("<unk>", "<s>", "<|endoftext|>"):
+        if text in token_to_id:
+            attrs[token_to_id[text]] &= ~ATTR_RSTRIP
 
 
 def _apply_text_rules(tokens: list[str], token_to_id: dict[str, int], attrs: list[int],

@@ -17,6 +17,7 @@ _ARCHITECTURES = {
     "granite": gguf.MODEL_ARCH.GRANITE,
     "smollm3": gguf.MODEL_ARCH.SMOLLM3,
     "gemma2": gguf.MODEL_ARCH.GEMMA2,
+    "phi3": gguf.MODEL_ARCH.PHI3,
 }
 
 
