@@ -74,7 +74,7 @@ class RopeScaling:
     @property
     def frequency_scale(self) -> float:
         """What llama.cpp multiplies the interpolated angles by: 1/factor (1 for "none")."""
-        return 1.0 if self.kind == "none" or self.factor == 0.0 else 1.0 / self.factor
+        return 1.0 if self.kind in ("none", "longrope") or self.factor == 0.0 else 1.0 / self.factor
 
     @property
     def mscale(self) -> float:
@@ -96,14 +96,14 @@ class RopeScaling:
         return value * self.attn_factor
 
 
-def read_rope_scaling(meta: MetadataReader, context_length: int) -> RopeScaling:
+def read_rope_scaling(meta: MetadataReader, context_length: int, also: tuple[str, ...] = ()) -> RopeScaling:
     """The rope-scaling keys as llama.cpp reads them: `rope.scaling.type` (default "linear"), `.factor`
     (or the older `rope.scale_linear`; absent or 0: none), `.original_context_length` (default the
     training context), `.yarn_beta_fast`/`_slow`, `.yarn_ext_factor` (default 1 for yarn, else 0),
     `.yarn_attn_factor`, `.attn_factor`, `.yarn_log_multiplier`. A type ember cannot compute is one line
     naming the key."""
     kind = meta.raw("rope.scaling.type", "linear")
-    if kind not in ROPE_SCALING_TYPES:
+    if kind not in ROPE_SCALING_TYPES + also:  # `also`: a family's own ("longrope": phi3 reads its tensors)
         raise GGUFError(f"{meta.gguf.path}: metadata '{meta._key('rope.scaling.type')}' is {kind!r:.40}, "
                         f"which ember does not support (only {', '.join(ROPE_SCALING_TYPES)})")
     factor_key = "rope.scaling.factor" if meta.has("rope.scaling.factor") else "rope.scale_linear"

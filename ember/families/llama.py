@@ -110,7 +110,8 @@ def build_config(gguf: GGUFFile) -> LlamaConfig:
             f"{gguf.path}: {architecture}.rope.dimension_count {rope_dim} must equal the head dim {head_dim}"
         )
     context_length = meta.int("context_length")
-    scaling = read_rope_scaling(meta, context_length)  # linear or YaRN; llama.cpp applies either here
+    # linear or YaRN; llama.cpp applies either here. phi3's LongRoPE: its factor tensors (phi3.py)
+    scaling = read_rope_scaling(meta, context_length, also=("longrope",) if architecture == "phi3" else ())
     attention_scale = embedding_scale = residual_scale = logit_scale = 0.0
     if architecture == "granite":
         attention_scale = granite_scale(meta, "attention.scale")
