@@ -74,7 +74,7 @@ class RopeScaling:
     @property
     def frequency_scale(self) -> float:
         """What llama.cpp multiplies the interpolated angles by: 1/factor (1 for "none")."""
-        return 1.0 if self.kind == "none" or self.factor == 0.0 else 1.0 / self.factor
+        return 1.0 if self.kind in ("none", "longrope") or self.factor == 0.0 else 1.0 / self.factor
 
     @property
     def mscale(self) -> float:

@@ -273,6 +273,18 @@ def softmax_inplace(scores: np.ndarray, row_scratch: np.ndarray, spread: np.ndar
         scores /= spread
 
 
+def softmax_with_sinks_inplace(scores: np.ndarray, sinks: np.ndarray) -> None:
+    """Softmax over the last axis with one more logit per row that takes a share but has no value
+    (gpt-oss's attention sinks): p_j = exp(s_j) / (Σ_k exp(s_k) + exp(sink)), in place. `sinks`
+    broadcasts against scores[..., :1] (one per head). The row's p sum to 1 − the sink's share."""
+    top = np.maximum(scores.max(axis=-1, keepdims=True), sinks)
+    scores -= top
+    np.exp(scores, out=scores)
+    total = scores.sum(axis=-1, keepdims=True)
+    total += np.exp(sinks - top)
+    scores /= total
+
+
 def _whole_rows(view: np.ndarray) -> np.ndarray | None:
     """The C-contiguous [n, rows, d] buffer that `view` ([n, :L, d], a cache view) is the start of, or
     None. numba multiplies unit-stride rows far faster when their array says so (measured on SmolLM2's
@@ -310,9 +322,10 @@ def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, *, start_posi
               out: np.ndarray, score_buffer: np.ndarray | None = None,
               row_scratch: np.ndarray | None = None, key_positions: np.ndarray | None = None,
               sliding_window: int = 0, spread_buffer: np.ndarray | None = None,
-              softcap: float = 0.0) -> np.ndarray:
+              softcap: float = 0.0, sinks: np.ndarray | None = None) -> np.ndarray:
     """Causal grouped-query attention; with `softcap` c > 0 each scaled score s becomes c·tanh(s/c)
-    before the mask and the softmax (Gemma 2).
+    before the mask and the softmax (Gemma 2). `sinks` [n_head] (gpt-oss): each head's softmax has one
+    more logit, which takes its share of the weight and adds no value (`softmax_with_sinks_inplace`).
 
     q: [T, n_head, hd] for positions start_position … start_position+T−1.
     keys/values: [n_kv, L, hd] cache views holding every visible position (the current rows included).
@@ -332,7 +345,7 @@ def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, *, start_posi
             and (full_values := _whole_rows(values)) is not None):
         positions = key_positions if key_positions is not None else _position_range(key_count)
         _token_ops.attend(q[0], full_keys, full_values, key_count, scale, start_position, positions,
-                          sliding_window, softcap,
+                          sliding_window, softcap, _token_ops.NO_SINKS if sinks is None else sinks,
                           score_buffer[: head_count * key_count].reshape(head_count, key_count),
                           out.reshape(head_count, value_dim))
         return out
@@ -348,10 +361,13 @@ def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, *, start_posi
             hidden_keys = (start_position - positions) >= sliding_window
             if hidden_keys.any():
                 scores[:, :, hidden_keys] = -np.inf
-        spread = None
-        if spread_buffer is not None:
-            spread = spread_buffer[: kv_count * group * key_count].reshape(kv_count, group, key_count)
-        softmax_inplace(scores, row_scratch, spread)
+        if sinks is not None:
+            softmax_with_sinks_inplace(scores, sinks.reshape(kv_count, group, 1))
+        else:
+            spread = None
+            if spread_buffer is not None:
+                spread = spread_buffer[: kv_count * group * key_count].reshape(kv_count, group, key_count)
+            softmax_inplace(scores, row_scratch, spread)
         np.matmul(scores, values, out=out.reshape(kv_count, group, value_dim))
         return out
 
@@ -383,7 +399,10 @@ def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, *, start_posi
         if softcap:
             softcap_inplace(scores, softcap)
         scores += np.where(masked, np.float32(-np.inf), np.float32(0.0))
-        softmax_inplace(scores, np.empty(scores.shape[:-1] + (1,), dtype=np.float32))
+        if sinks is not None:
+            softmax_with_sinks_inplace(scores, sinks[kv * group:(kv + 1) * group].reshape(group, 1, 1))
+        else:
+            softmax_inplace(scores, np.empty(scores.shape[:-1] + (1,), dtype=np.float32))
         out_heads[chunk, kv] = np.matmul(scores, chunk_values).transpose(1, 0, 2)  # [t, g, hd_v]
 
     parallel.share(piece, kv_count * len(chunks))
@@ -392,7 +411,7 @@ def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, *, start_posi
 
 def sliding_window_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, key_positions: np.ndarray,
                              start_position: int, window: int, scale: float, out: np.ndarray,
-                             softcap: float = 0.0) -> np.ndarray:
+                             softcap: float = 0.0, sinks: np.ndarray | None = None) -> np.ndarray:
     """Attention of several rows on a sliding layer, one query chunk at a time over only the keys its
     window can reach (keys in ascending position order, as `SlidingWindowKV.store` returns them for
     several rows).
@@ -408,5 +427,5 @@ def sliding_window_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray
         reach = slice(oldest, newest)
         attention(q[first_row:last_row], keys[:, reach], values[:, reach],
                   start_position=start_position + first_row, scale=scale, out=out[first_row:last_row],
-                  key_positions=key_positions[reach], sliding_window=window, softcap=softcap)
+                  key_positions=key_positions[reach], sliding_window=window, softcap=softcap, sinks=sinks)
     return out

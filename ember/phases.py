@@ -24,6 +24,7 @@ class ModelFamily(Enum):
     GEMMA2 = "gemma2"
     PHI3 = "phi3"
     MISTRAL3 = "mistral3"  # Ministral 3: YaRN and the attention temperature by position
+    GPT_OSS = "gpt-oss"  # mixture of experts with attention sinks
 
 
 class ExecutionPhase(Enum):

@@ -127,17 +127,19 @@ class SequenceRows:
 
     def attend(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, *, scale: float, window: int,
                out: np.ndarray, ws: Any, keep: bool = False, pattern: Show | None = None,
-               softcap: float = 0.0) -> np.ndarray:
+               softcap: float = 0.0, sinks: np.ndarray | None = None) -> np.ndarray:
         """Store k, v at the evaluated positions of layer `layer`'s cache, then attention of q over every
         visible key (a sliding layer's window masked). `keep`: remember them for `attend_shared`.
         `pattern`: form the attention pattern explicitly and show it (`patterned_attention`). `softcap`
-        c > 0: each scaled score s becomes c·tanh(s/c) before the mask and softmax (Gemma 2)."""
+        c > 0: each scaled score s becomes c·tanh(s/c) before the mask and softmax (Gemma 2). `sinks`
+        [heads]: one more logit in each head's softmax, with no value (gpt-oss; `ops.attention`)."""
         stored = self.cache.store(layer, self.start_position, k, v)
         keys, values = stored[0], stored[1]
         key_positions = stored[2] if len(stored) == 3 else None
         if keep:
             self.kept[layer] = (keys, values, key_positions)
-        return self._attention(q, keys, values, key_positions, scale, window, out, ws, pattern, softcap)
+        return self._attention(q, keys, values, key_positions, scale, window, out, ws, pattern, softcap,
+                               sinks)
 
     def attend_shared(self, layer: int, source: int, q: np.ndarray, *, scale: float, window: int,
                       out: np.ndarray, ws: Any, pattern: Show | None = None,
@@ -159,7 +161,8 @@ class SequenceRows:
 
     def _attention(self, q: np.ndarray, keys: np.ndarray, values: np.ndarray,
                    key_positions: np.ndarray | None, scale: float, window: int, out: np.ndarray,
-                   ws: Any, pattern: Show | None = None, softcap: float = 0.0) -> np.ndarray:
+                   ws: Any, pattern: Show | None = None, softcap: float = 0.0,
+                   sinks: np.ndarray | None = None) -> np.ndarray:
         T = q.shape[0]
         if pattern is not None:
             positions = key_positions if key_positions is not None else np.arange(keys.shape[1])
@@ -168,12 +171,12 @@ class SequenceRows:
                 keys, values, positions = keys[:, filled], values[:, filled], positions[filled]
             rows = np.arange(self.start_position, self.start_position + T)
             probabilities = np.zeros((q.shape[1], T, self.start_position + T), np.float32)
-            form_pattern(q, keys, positions, rows, scale, window, probabilities, softcap)
+            form_pattern(q, keys, positions, rows, scale, window, probabilities, softcap, sinks)
             if written(pattern, probabilities):
                 return apply_pattern(probabilities, values, positions, rows, window, out)
         if window and T > 1:
             return sliding_window_attention(q, keys, values, key_positions, self.start_position, window,
-                                            scale, out, softcap)
+                                            scale, out, softcap, sinks)
         score_scratch = getattr(ws, "score_scratch", None)
         if T == 1 and score_scratch is not None:
             kv_heads = keys.shape[0]
@@ -184,7 +187,7 @@ class SequenceRows:
                          score_buffer=getattr(ws, "score_buffer", None), row_scratch=score_scratch,
                          spread_buffer=getattr(ws, "score_spread", None),
                          key_positions=key_positions if window else None, sliding_window=window,
-                         softcap=softcap)
+                         softcap=softcap, sinks=sinks)
 
     def last_rows(self) -> np.ndarray | None:
         return None  # the last row of the workspace
@@ -292,7 +295,7 @@ class BatchRows:
 
     def attend(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, *, scale: float, window: int,
                out: np.ndarray, ws: Any, keep: bool = False, pattern: Show | None = None,
-               softcap: float = 0.0) -> np.ndarray:
+               softcap: float = 0.0, sinks: np.ndarray | None = None) -> np.ndarray:
         """Each row's attention over its own sequence: the saved keys before its sequence's start, then
         its sequence's own rows up to itself (a sliding layer's window masked). `pattern`, `softcap`: as
         `SequenceRows.attend`, a row's columns its own sequence's positions."""
@@ -307,7 +310,7 @@ class BatchRows:
         prefix_keys, prefix_values, prefix_length = self._prefix(layer, entries)
         own = np.ones(entries, np.int64)
         return self._ragged(q, k, v, prefix_keys, prefix_values, prefix_length, own, scale, window, out,
-                            pattern, softcap)
+                            pattern, softcap, sinks)
 
     def attend_shared(self, layer: int, source: int, q: np.ndarray, *, scale: float, window: int,
                       out: np.ndarray, ws: Any, pattern: Show | None = None,
@@ -381,7 +384,7 @@ class BatchRows:
     def _ragged(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, prefix_keys: np.ndarray,
                 prefix_values: np.ndarray, prefix_length: np.ndarray, own: np.ndarray, scale: float,
                 window: int, out: np.ndarray, pattern: Show | None = None,
-                softcap: float = 0.0) -> np.ndarray:
+                softcap: float = 0.0, sinks: np.ndarray | None = None) -> np.ndarray:
         rows = q.shape[0]
         if rows == 0:  # no sequence is evaluated at this layer yet (all join later)
             return out
@@ -391,17 +394,18 @@ class BatchRows:
         layout = (self.offsets[:entries + 1], self.starts[:entries], self.prefix_index[:entries],
                   prefix_length, own, self.row_entry[:rows], self.row_positions[:rows])
         shown = pattern is not None and patterned_ragged(q, k, v, prefix_keys, prefix_values, *layout, scale,
-                                                         window, pattern, out, softcap)
+                                                         window, pattern, out, softcap, sinks)
         if shown:  # the hook wrote the pattern: `out` holds the heads formed from it
             return out
         if ops.token_ops() is not None:
             kernel = ops.token_ops().ragged_attention
+            sink_logits = ops.token_ops().NO_SINKS if sinks is None else sinks
             parallel.share_ranges(rows, rows * q.shape[1] * 64, lambda start, stop: kernel(
                 q, k, v, prefix_keys, prefix_values, *layout, np.float32(scale), window, float(softcap),
-                start, stop, heads))
+                sink_logits, start, stop, heads))
         else:
             ragged_attention_numpy(q, k, v, prefix_keys, prefix_values, *layout, scale, window, heads,
-                                   softcap)
+                                   softcap, sinks)
         return out
 
     # -- the end ---------------------------------------------------------------------------------
@@ -483,7 +487,7 @@ def ragged_attention_numpy(q: np.ndarray, k: np.ndarray, v: np.ndarray, prefix_k
                            prefix_values: np.ndarray, offsets: np.ndarray, starts: np.ndarray,
                            prefix_index: np.ndarray, prefix_length: np.ndarray, own: np.ndarray,
                            row_entry: np.ndarray, row_positions: np.ndarray, scale: float, window: int,
-                           out: np.ndarray, softcap: float = 0.0) -> None:
+                           out: np.ndarray, softcap: float = 0.0, sinks: np.ndarray | None = None) -> None:
     """What `token_ops.ragged_attention` computes, in NumPy (where numba cannot run): per sequence, its
     keys (the saved ones before its start, then its own rows) and `ember.ops.attention` over them."""
     for e, span, keys, values in _sequence_keys(k, v, prefix_keys, prefix_values, offsets, prefix_index,
@@ -492,7 +496,7 @@ def ragged_attention_numpy(q: np.ndarray, k: np.ndarray, v: np.ndarray, prefix_k
         key_positions = np.arange(keys.shape[1])
         heads = np.empty((rows, q.shape[1] * values.shape[2]), np.float32)
         attention(q[span], keys, values, start_position=int(starts[e]), scale=float(scale), out=heads,
-                  key_positions=key_positions, sliding_window=window, softcap=softcap)
+                  key_positions=key_positions, sliding_window=window, softcap=softcap, sinks=sinks)
         out[span] = heads.reshape(rows, q.shape[1], -1)
 
 
@@ -500,7 +504,8 @@ def patterned_ragged(q: np.ndarray, k: np.ndarray, v: np.ndarray, prefix_keys: n
                      prefix_values: np.ndarray, offsets: np.ndarray, starts: np.ndarray,
                      prefix_index: np.ndarray, prefix_length: np.ndarray, own: np.ndarray,
                      row_entry: np.ndarray, row_positions: np.ndarray, scale: float, window: int,
-                     show: Show, out: np.ndarray, softcap: float = 0.0) -> bool:
+                     show: Show, out: np.ndarray, softcap: float = 0.0,
+                     sinks: np.ndarray | None = None) -> bool:
     """A batch's attention pattern formed and shown ([heads × rows, keys], a row's columns its own
     sequence's positions 0…, as many as the longest sequence's), each sequence's keys as in
     `ragged_attention_numpy`; when the hook wrote it, the heads' outputs formed from it into `out`
@@ -513,7 +518,7 @@ def patterned_ragged(q: np.ndarray, k: np.ndarray, v: np.ndarray, prefix_keys: n
                                                 prefix_length, own):
         positions = np.arange(keys.shape[1])
         form_pattern(q[span], keys, positions, row_positions[span], scale, window, probabilities[:, span],
-                     softcap)
+                     softcap, sinks)
         sequences.append((span, values, positions))
     if not written(show, probabilities):
         return False
@@ -541,11 +546,13 @@ def _visible(key_positions: np.ndarray, row_positions: np.ndarray, window: int) 
 
 
 def form_pattern(q: np.ndarray, keys: np.ndarray, key_positions: np.ndarray, row_positions: np.ndarray,
-                 scale: float, window: int, into: np.ndarray, softcap: float = 0.0) -> None:
+                 scale: float, window: int, into: np.ndarray, softcap: float = 0.0,
+                 sinks: np.ndarray | None = None) -> None:
     """The attention probabilities of q [T, heads, hd] over keys [kv heads, S, hd] at `key_positions`,
     written into `into` [heads, T, columns] at each key's position (the columns of keys a row does not
     see stay as they are: zero): after the softcap when there is one, as the kernels form them. Query
-    head h reads KV head h // (heads / kv heads), as the kernels."""
+    head h reads KV head h // (heads / kv heads), as the kernels. With `sinks` (gpt-oss) each head's
+    softmax has its sink logit too: a row's probabilities over the real keys sum to 1 − the sink's share."""
     T, n_head, head_dim = q.shape
     kv = keys.shape[0]
     group = n_head // kv
@@ -555,9 +562,12 @@ def form_pattern(q: np.ndarray, keys: np.ndarray, key_positions: np.ndarray, row
     if softcap:
         ops.softcap_inplace(scores, softcap)
     scores[:, :, ~_visible(key_positions, row_positions, window)] = -np.inf
-    scores -= scores.max(axis=-1, keepdims=True)
-    np.exp(scores, out=scores)
-    scores /= scores.sum(axis=-1, keepdims=True)
+    if sinks is not None:
+        ops.softmax_with_sinks_inplace(scores, sinks.reshape(kv, group, 1, 1))
+    else:
+        scores -= scores.max(axis=-1, keepdims=True)
+        np.exp(scores, out=scores)
+        scores /= scores.sum(axis=-1, keepdims=True)
     into[:, :, key_positions] = scores.reshape(n_head, T, -1)
 
 

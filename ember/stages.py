@@ -28,7 +28,7 @@ EVERY_FAMILY = frozenset(ModelFamily)
 # E4B, 31B) and its MoE one (26B-A4B) are one family, told apart by `expert_count`. So a stage of these
 # families marked `experts_only` fires in a model that has experts (config.expert_count > 0) and in no
 # other: `layer_names(family, experts=...)`.
-MIXTURE_OF_EXPERTS = frozenset({ModelFamily.QWEN3MOE, ModelFamily.GEMMA4})
+MIXTURE_OF_EXPERTS = frozenset({ModelFamily.QWEN3MOE, ModelFamily.GEMMA4, ModelFamily.GPT_OSS})
 
 
 class Scope(Enum):
@@ -85,8 +85,9 @@ STAGES: tuple[Stage, ...] = (
           "The attention block's contribution to the residual, before it is added"),
     Stage("router", Scope.LAYER, "router_logits", "tokens", "experts",
           "A mixture-of-experts layer's router logits (x W_gate_inpᵀ, x the router's input: the MLP's normed "
-          "input in qwen3moe, Gemma 4's own scaled norm of the residual), expert e "
-          "in column e, before the softmax over the experts and the top-k choice; what it holds when the "
+          "input in qwen3moe, Gemma 4's own scaled norm of the residual; gpt-oss adds the router's bias), "
+          "expert e in column e, before the softmax over the experts and the top-k choice (gpt-oss: the "
+          "top k, then the softmax over those k, the same choice and weights); what it holds when the "
           "hook returns is what the choice and the weights are made from (−inf bans an expert, a large "
           "value forces it)", on_demand=True, families=MIXTURE_OF_EXPERTS, experts_only=True),
     Stage("after_mlp", Scope.LAYER, "mlp_output", "tokens", "hidden",

@@ -185,6 +185,14 @@ class WeightStore:
             raise GGUFError(f"{self.gguf.path}: tensor {name!r} has shape {info.shape}, expected a vector")
         return self.gguf.dequantize(name)
 
+    def vectors(self, name: str) -> list[np.ndarray]:
+        """A 2-D tensor of one vector per expert ([experts, n]: gpt-oss's expert biases) as float32 rows."""
+        info = self.gguf.tensor(name)
+        if len(info.shape) != 2:
+            raise GGUFError(f"{self.gguf.path}: tensor {name!r} has shape {info.shape}, expected "
+                            "[experts, values]")
+        return list(self.gguf.dequantize(name).reshape(info.shape))
+
     def rows(self, name: str, ids: np.ndarray | list[int]) -> np.ndarray:
         """float32 `[len(ids), cols]` of a table, decoding only those rows (NumPy, any block type)."""
         self.row_requests[name] += 1

@@ -57,6 +57,7 @@ FAMILIES = ["smollm2", "gemma3-270m",
               for name in ("gemma3-tiny", "qwen3-tiny", "qwen3moe-tiny", *LLAMA_VARIANTS)),
             "gemma4-tiny", "gemma4-moe-tiny", pytest.param("gemma2-tiny", marks=pytest.mark.reference)]
 FAMILIES.append(pytest.param("phi3-tiny", marks=pytest.mark.reference))  # fused qkv/gate_up, LongRoPE
+FAMILIES.append(pytest.param("gptoss-tiny", marks=pytest.mark.reference))  # sinks, MXFP4 experts
 PAST_LAYER_0 = [*FAMILIES, "gemma4-tiny-nople"]
 
 
@@ -106,6 +107,14 @@ def _tiny_phi3(folder: Any) -> Any:
     return ember.load_model(write_phi3_gguf(tiny_phi3(), folder / "phi3.gguf"))
 
 
+def _tiny_gptoss(folder: Any) -> Any:
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from test_gptoss_tiny import tiny_gptoss, write_gptoss_gguf
+
+    return ember.load_model(write_gptoss_gguf(tiny_gptoss(), folder / "gptoss.gguf"))
+
+
 def _tiny_gemma4(folder: Any, per_layer_input: int, moe: bool = False) -> Any:
     from reference.gemma4_gguf import Gemma4Spec, random_state, tiny_gemma4_vocab, write_gguf
 
@@ -139,6 +148,8 @@ def load(name: str, built: dict[str, Any], request: pytest.FixtureRequest,
             built[name] = _tiny_gemma2(folder)
         elif name == "phi3-tiny":
             built[name] = _tiny_phi3(folder)
+        elif name == "gptoss-tiny":
+            built[name] = _tiny_gptoss(folder)
         else:
             built[name] = _tiny_gemma4(folder, 0 if name.endswith("nople") else 32, "moe" in name)
     return built[name]
@@ -419,13 +430,13 @@ def test_ragged_attention_numba_numpy_and_brute_force_agree(window: int, softcap
     assert relative(numpy_out, expected) <= TOLERANCE
     if jit_unavailable() is not None:
         pytest.skip("numba cannot run here: the NumPy fallback is what runs")
-    from ember.quant.token_ops import ragged_attention
+    from ember.quant.token_ops import NO_SINKS, ragged_attention
 
     numba_out = np.full_like(numpy_out, np.nan)
     rows = q.shape[0]
     for first, stop in ((0, 7), (7, 11), (11, rows)):  # in ranges, as the threads share them
         ragged_attention(q, k, v, prefix_keys, prefix_values, *layout, np.float32(scale), window, softcap,
-                         first, stop, numba_out)
+                         NO_SINKS, first, stop, numba_out)
     assert relative(numba_out, expected) <= TOLERANCE
     assert relative(numba_out, numpy_out) <= TOLERANCE
 

@@ -37,7 +37,7 @@ def test_public_names() -> None:
         assert hasattr(ex, name), name
     assert [m.name for m in ModelFamily] == [
         "LLAMA", "QWEN3", "GEMMA3", "GEMMA4", "QWEN3MOE", "QWEN2", "OLMO2", "GRANITE", "SMOLLM3", "GEMMA2",
-        "PHI3", "MISTRAL3",
+        "PHI3", "MISTRAL3", "GPT_OSS",
     ]
     assert [m.name for m in ExecutionPhase] == ["PREFILL", "DECODE"]
     assert [m.name for m in TracingState] == ["DISABLED", "ENABLED"]

@@ -48,6 +48,8 @@ def random_encoded(qtype: Q, rows: int, columns: int) -> np.ndarray:
     for at in kernels.BLOCK_TYPES[qtype].f16_fields:  # random bits there: NaN or huge values
         scales = RNG.uniform(-0.02, 0.02, size=blocks.shape[:2]).astype(np.float16)
         blocks[..., at:at + 2] = scales.view(np.uint8).reshape(*blocks.shape[:2], 2)
+    if qtype == Q.MXFP4:  # e8m0 exponents near 2^0 (random ones reach 2^127: products overflow)
+        blocks[..., 0] = RNG.integers(118, 132, size=blocks.shape[:2], dtype=np.uint8)
     return blocks.reshape(rows, -1)
 
 
@@ -152,12 +154,13 @@ def test_products_multiplied_each_in_one_share_equal_each_matmul(monkeypatch):
     monkeypatch.setattr(matrix_module, "PIECE_VALUES", 16 * 256)
     monkeypatch.setattr(matrix_module, "SHARED_FROM", 1)  # shared even at these sizes
     columns = 256
+    types = (Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.MXFP4)
     single = [QuantizedMatrix(f"e{i}", random_encoded(qtype, 40 + 8 * i, columns), int(qtype),
-                              (40 + 8 * i, columns)) for i, qtype in enumerate((Q.Q4_K, Q.Q6_K, Q.Q8_0))]
+                              (40 + 8 * i, columns)) for i, qtype in enumerate(types)]
     stack = StackedMatrix([QuantizedMatrix(f"s{i}", random_encoded(Q.Q4_K, 24, columns), int(Q.Q4_K),
                                            (24, columns)) for i in range(4)])
     weights = [*single, stack, single[0]]
-    counts = [1, 3, 0, 5, SMALL_BATCH + 2]
+    counts = [1, 3, 0, 2, 5, SMALL_BATCH + 2]
     xs = [RNG.standard_normal((n, columns)).astype(np.float32) for n in counts]
     expected = [w.matmul(x, np.empty((len(x), w.shape[0]), np.float32))
                 for w, x in zip(weights, xs, strict=True)]
@@ -177,3 +180,22 @@ def test_decoders_never_read_past_their_row():
         out = np.empty((1, 512), np.float32)
         kernels.dequantize_tile(int(qtype), view, 0, out, kernels.F16_TABLE, 16)
         np.testing.assert_array_equal(out, reference_values(qtype, data)[1:2])
+
+
+def test_mxfp4_decodes_every_exponent_and_code_like_gguf_py():
+    # Every e8m0 byte (0 and 1 give subnormal scales, 255 overflows to ±inf past code 7's 12) with every
+    # pair of e2m1 codes: bit for bit as gguf-py; the row product from the blocks as float32's.
+    blocks = np.zeros((256, 17), np.uint8)
+    blocks[:, 0] = np.arange(256)
+    blocks[:, 1:] = np.arange(256).reshape(16, 16)[np.arange(256) % 16]
+    data = blocks.reshape(32, 8 * 17)
+    with np.errstate(over="ignore"):
+        expected = gguf.quants.dequantize(data, Q.MXFP4).astype(np.float32)
+    matrix = QuantizedMatrix("w", data, int(Q.MXFP4), (32, 256))
+    np.testing.assert_array_equal(matrix.dequantize(), expected)
+    assert np.isinf(expected).any() and (np.abs(expected[expected != 0]) < 2.0**-126).any()
+    finite = np.ascontiguousarray(data.reshape(256, 17)[100:164].reshape(8, 8 * 17))  # exponents 100…163
+    x = RNG.standard_normal((1, 256)).astype(np.float32)
+    reference = x.astype(np.float64) @ gguf.quants.dequantize(finite, Q.MXFP4).astype(np.float64).T
+    got = QuantizedMatrix("w", finite, int(Q.MXFP4), (8, 256)).matmul(x, np.zeros((1, 8), np.float32))
+    assert np.abs(got - reference).max() <= 2e-6 * np.abs(reference).max()

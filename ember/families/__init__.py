@@ -8,7 +8,7 @@ from typing import Any
 
 from ember.config import ModelConfig
 from ember.errors import UnsupportedArchitectureError
-from ember.families import gemma2, gemma3, gemma4, llama, olmo2, phi3, qwen3moe
+from ember.families import gemma2, gemma3, gemma4, gptoss, llama, olmo2, phi3, qwen3moe
 from ember.gguf_file import GGUFFile
 from ember.weights import WeightStore
 
@@ -37,6 +37,7 @@ FAMILIES: dict[str, Family] = {
     "gemma4": Family(gemma4.build_config, gemma4.build_forward, gemma4.cache_specs),
     "gemma2": Family(gemma2.build_config, gemma2.build_forward, gemma2.cache_specs),
     "phi3": Family(phi3.build_config, phi3.build_forward, phi3.cache_specs),
+    "gpt-oss": Family(gptoss.build_config, gptoss.build_forward, gptoss.cache_specs),
 }
 
 

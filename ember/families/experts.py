@@ -32,6 +32,19 @@ from ember.ops import linear, silu_inplace
 SMALLEST_SUM = 6.103515625e-5
 
 
+def route_top_logits(logits: np.ndarray, top_k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(chosen [T, k], weights [T, k]) the other way round (gpt-oss; llama.cpp's SOFTMAX_WEIGHT gating):
+    the k largest logits of each row (ties: the lower expert number first), then the softmax over those
+    k logits alone. A row whose chosen logits are all −inf gets no weight."""
+    chosen = np.argsort(-logits, axis=1, kind="stable")[:, :top_k]
+    top = np.take_along_axis(logits, chosen, axis=1).astype(np.float32)
+    with np.errstate(invalid="ignore"):
+        top -= top.max(axis=1, keepdims=True)
+        weights = np.exp(top, dtype=np.float32)
+        weights /= weights.sum(axis=1, keepdims=True, dtype=np.float32)
+    return chosen, np.nan_to_num(weights, nan=0.0).astype(np.float32, copy=False)
+
+
 def route(logits: np.ndarray, top_k: int) -> tuple[np.ndarray, np.ndarray]:
     """(chosen experts [T, k] int64, their weights [T, k] float32) of router logits [T, E]: the k most
     probable experts of each row under softmax(logits), their probabilities renormalised to sum to 1."""
@@ -60,13 +73,20 @@ class ExpertScratch:
 
 def mixture(y: np.ndarray, chosen: np.ndarray, weights: np.ndarray, gate_up: Sequence[Any],
             down: Sequence[Any], scratch: ExpertScratch, out: np.ndarray,
-            activation: Callable[[np.ndarray, np.ndarray], Any] = silu_inplace) -> np.ndarray:
+            activation: Callable[[np.ndarray, np.ndarray], Any] = silu_inplace, *,
+            glu: Callable[[np.ndarray, np.ndarray, np.ndarray], Any] | None = None,
+            gate_up_bias: Sequence[np.ndarray] | None = None,
+            down_bias: Sequence[np.ndarray] | None = None) -> np.ndarray:
     """out = Σⱼ weights[:, j] · expert chosen[:, j](y), each expert's gated product
     (activation(y W_gateᵀ) ⊙ y W_upᵀ) W_downᵀ (gate rows then up rows stacked in `gate_up[e]`, `down[e]`;
     `activation(x, scratch)` works in place, `ember.ops`) multiplied once over the rows routed to it, the
     chosen experts' products of a step shared among the threads at once (`matrix.multiply_each`: on the
     Qwen3-30B-A3B shape, one share per expert made decode wait on 16 wake-ups a layer). The sum runs
-    over the slots j in order, as llama.cpp's."""
+    over the slots j in order, as llama.cpp's.
+
+    gpt-oss's experts: `gate_up_bias[e]` ([gate bias; up bias]) and `down_bias[e]` are added to expert
+    e's products, and `glu(gate, up, scratch)` forms the gated product in `gate` in place of
+    activation(gate) ⊙ up."""
     out[...] = 0.0
     if chosen.size == 0:  # a batch's layer that no sequence has reached yet
         return out
@@ -82,10 +102,19 @@ def mixture(y: np.ndarray, chosen: np.ndarray, weights: np.ndarray, gate_up: Seq
     gate_up_rows, products = scratch.gate_up[:pairs], scratch.outputs[:pairs]
     groups = list(zip(starts, stops, strict=True))  # each expert's pairs: a contiguous run a…b−1
     _multiply_each([(gate_up[int(experts[a])], x[a:b], gate_up_rows[a:b]) for a, b in groups])
+    if gate_up_bias is not None:
+        for a, b in groups:
+            gate_up_rows[a:b] += gate_up_bias[int(experts[a])]
     gate, up = gate_up_rows[:, :F], gate_up_rows[:, F:]
-    activation(gate, scratch.scratch[:pairs])
-    gate *= up
+    if glu is not None:
+        glu(gate, up, scratch.scratch[:pairs])
+    else:
+        activation(gate, scratch.scratch[:pairs])
+        gate *= up
     _multiply_each([(down[int(experts[a])], gate[a:b], products[a:b]) for a, b in groups])
+    if down_bias is not None:
+        for a, b in groups:
+            products[a:b] += down_bias[int(experts[a])]
     products *= weights.reshape(-1)[order][:, None]
     by_row = scratch.by_row[:pairs]
     by_row[order] = products  # back to (row, slot) order

@@ -223,6 +223,38 @@ class Q8_0(BlockType, qtype=Q.Q8_0):
         return np.float32(0.0)
 
 
+# MXFP4 (gpt-oss's experts): e2m1 codes → their values doubled (gguf-py's `MXFP4.kvalues`), and an e8m0
+# exponent byte → half its power of two, 2^(e − 128) (`ggml_e8m0_to_fp32_half`: bits 0x00200000 << e
+# for e < 2, (e − 1) << 23 from 2 on; e = 0 and 1 give subnormals).
+E2M1_DOUBLED = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.float32)
+_EXPONENTS = np.arange(256, dtype=np.uint32)
+E8M0_HALF = np.where(_EXPONENTS < 2, np.uint32(0x00200000) << _EXPONENTS,
+                     (_EXPONENTS - 1) << np.uint32(23)).astype(np.uint32).view(np.float32)
+
+
+class MXFP4(BlockType, qtype=Q.MXFP4):
+    """17 bytes: e (e8m0), 16 bytes of e2m1 nibbles; value j = E2M1_DOUBLED[low nibble]·half(e),
+    j+16 = E2M1_DOUBLED[high nibble]·half(e) (OCP microscaling, as ggml stores it)."""
+
+    @njit(fastmath=EXACT)
+    def decode(src, first, blocks, dst, table, half):
+        for b in range(blocks):
+            at = (first + b) * 17
+            d = E8M0_HALF[src[at]]
+            out = b * 32
+            for j in range(half):
+                q = np.int32(src[at + 1 + j])
+                dst[out + j] = d * E2M1_DOUBLED[q & 0xF]
+                dst[out + half + j] = d * E2M1_DOUBLED[q >> 4]
+
+    @njit(inline="always")
+    def dot(src, columns, x, sums16, sums32, scales, acc, table):
+        for b in range(columns // 32):
+            at, xb = b * 17, b * 32
+            simd.fma_e2m1(acc, 32 * (b & 1), src, at + 1, x, xb, xb + 16, E8M0_HALF[src[at]])
+        return np.float32(0.0)
+
+
 @njit(inline="always")
 def _scale_min_k4(j, src, at):
     """Scale and min of sub-block j from the 12 packed 6-bit bytes at `at` (Q4_K, Q5_K)."""

@@ -106,6 +106,41 @@ def fma_nibbles(typingctx, acc, acc_at, src, at, x, low_at, high_at, low_scale, 
     return signature, codegen
 
 
+def _e2m1_doubled(builder, nibbles):
+    """Twice the e2m1 value of each 4-bit code (sign, 2 exponent bits, 1 mantissa bit) as int32 lanes:
+    codes 0…7 → 0, 1, 2, 3, 4, 6, 8, 12 ((2 + m) << (e − 1) from e = 1 on), bit 3 the sign (gguf-py's
+    MXFP4 `kvalues`)."""
+    code = builder.and_(nibbles, _const(7))
+    exponent = builder.lshr(code, _const(1))
+    mantissa = builder.and_(code, _const(1))
+    normal = builder.lshr(builder.shl(builder.add(mantissa, _const(2)), exponent), _const(1))
+    magnitude = builder.select(builder.icmp_unsigned("<", code, _const(2)), code, normal)
+    negative = builder.icmp_unsigned("!=", builder.and_(nibbles, _const(8)), _const(0))
+    return builder.select(negative, builder.sub(_const(0), magnitude), magnitude)
+
+
+@intrinsic
+def fma_e2m1(typingctx, acc, acc_at, src, at, x, low_at, high_at, scale):
+    """acc[acc_at+i] += scale · e2m1(src[at+i] & 15) · x[low_at+i];
+    acc[acc_at+16+i] += scale · e2m1(src[at+i] >> 4) · x[high_at+i], e2m1 doubled as gguf-py's
+    MXFP4 values are (the scale being half the block's e8m0 power of two)."""
+    signature = types.void(acc, acc_at, src, at, x, low_at, high_at, scale)
+
+    def codegen(context, builder, sig, args):
+        args = _canonical(context, builder, sig, args)
+        acc_v, acc_at_v, src_v, at_v, x_v, low_v, high_v, scale_v = args
+        acc_t, _, src_t, _, x_t = sig.args[:5]
+        q = _bytes(context, builder, src_t, src_v, at_v)
+        low = builder.sitofp(_e2m1_doubled(builder, builder.and_(q, _const(15))), _vector(_F32))
+        high = builder.sitofp(_e2m1_doubled(builder, builder.lshr(q, _const(4))), _vector(_F32))
+        _accumulate(context, builder, acc_t, acc_v, acc_at_v, x_t, x_v, low_v, low, scale_v)
+        high_acc = builder.add(acc_at_v, ir.Constant(_I64, LANES))
+        _accumulate(context, builder, acc_t, acc_v, high_acc, x_t, x_v, high_v, high, scale_v)
+        return context.get_dummy_value()
+
+    return signature, codegen
+
+
 @intrinsic
 def decode_nibbles(typingctx, dst, low_at, high_at, src, at, low_scale, low_min, high_scale, high_min):
     """dst[low_at+i] = low_scale · (src[at+i] & 15) − low_min;

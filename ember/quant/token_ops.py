@@ -64,16 +64,20 @@ def apply_rope(x, cos, sin, neox, rope_dim):
                 x[t, h, b] = u * sin[t, i] + v * cos[t, i]
 
 
+NO_SINKS = np.empty(0, np.float32)  # the kernels' `sinks` when the family has none
+
+
 @njit(fastmath=FLAGS, cache=True)
-def attend(q, keys, values, key_count, scale, position, key_positions, window, softcap, scores, out):
+def attend(q, keys, values, key_count, scale, position, key_positions, window, softcap, sinks, scores, out):
     """One query row's grouped-query attention over the cache (`ember.ops.attention` uses it for short
     caches only: see `ATTEND_LIMIT`).
 
     q [n_head, hd]; keys [n_kv, ≥L, hd], values [n_kv, ≥L, hd_v] (the cache buffers, of which the first
     L = key_count positions are read); key_positions [L] (the
     position of each key; only read with a sliding `window` > 0, which hides keys `window` or more
-    positions back); `softcap` c > 0: each scaled score s becomes c·tanh(s/c) (Gemma 2); scores [n_head,
-    L] scratch; out [n_head, hd_v]. Head h reads KV head h // group.
+    positions back); `softcap` c > 0: each scaled score s becomes c·tanh(s/c) (Gemma 2); `sinks`
+    [n_head] or empty: each head's softmax has its sink logit too, which takes a share and adds no value
+    (gpt-oss); scores [n_head, L] scratch; out [n_head, hd_v]. Head h reads KV head h // group.
     """
     cap = np.float32(softcap)
     head_count, head_dim = q.shape
@@ -83,7 +87,7 @@ def attend(q, keys, values, key_count, scale, position, key_positions, window, s
     for h in range(head_count):
         kv = h // group
         row = scores[h]
-        largest = -np.inf
+        largest = sinks[h] if sinks.shape[0] > 0 else -np.inf
         for j in range(key_count):
             if window > 0 and position - key_positions[j] >= window:
                 row[j] = -np.inf
@@ -95,7 +99,7 @@ def attend(q, keys, values, key_count, scale, position, key_positions, window, s
             if cap > 0:
                 row[j] = cap * np.tanh(row[j] / cap)
             largest = max(largest, row[j])
-        norm = np.float32(0.0)
+        norm = np.float32(np.exp(sinks[h] - largest)) if sinks.shape[0] > 0 else np.float32(0.0)
         for j in range(key_count):
             row[j] = np.exp(row[j] - largest)
             norm += row[j]
@@ -110,7 +114,7 @@ def attend(q, keys, values, key_count, scale, position, key_positions, window, s
 
 @njit(fastmath=FLAGS, cache=True, nogil=True)
 def ragged_attention(q, k, v, prefix_keys, prefix_values, offsets, starts, prefix_index, prefix_length, own,
-                     row_entry, row_positions, scale, window, softcap, first_row, stop_row, out):
+                     row_entry, row_positions, scale, window, softcap, sinks, first_row, stop_row, out):
     """Grouped-query attention of rows first_row…stop_row−1 of a batch of sequences (`ember.rows`).
 
     q [R, n_head, hd]; k, v [R', n_kv, hd] the batch's own rows (R' ≥ R); row r belongs to sequence
@@ -119,7 +123,7 @@ def ragged_attention(q, k, v, prefix_keys, prefix_values, offsets, starts, prefi
     (prefix_keys/values [prefixes, n_kv, T, hd]), then, when own[e], its sequence's own rows up to
     itself. A key at position p is seen when p ≤ the row's position and, with a sliding `window` > 0,
     when the row's position − p < window. `softcap` c > 0: each scaled score s becomes c·tanh(s/c)
-    (Gemma 2). out [R, n_head, hd_v].
+    (Gemma 2). `sinks` [n_head] or empty: as in `attend` (gpt-oss). out [R, n_head, hd_v].
     """
     cap = np.float32(softcap)
     head_count, head_dim = q.shape[1], q.shape[2]
@@ -139,7 +143,7 @@ def ragged_attention(q, k, v, prefix_keys, prefix_values, offsets, starts, prefi
         own_last = r if own[e] else own_first - 1
         for h in range(head_count):
             kv = h // group
-            largest = -np.inf
+            largest = sinks[h] if sinks.shape[0] > 0 else -np.inf
             n = 0
             for j in range(saved):
                 if j > position or (window > 0 and position - j >= window):
@@ -166,7 +170,7 @@ def ragged_attention(q, k, v, prefix_keys, prefix_values, offsets, starts, prefi
                         scores[n] = cap * np.tanh(scores[n] / cap)
                     largest = max(largest, scores[n])
                 n += 1
-            norm = np.float32(0.0)
+            norm = np.float32(np.exp(sinks[h] - largest)) if sinks.shape[0] > 0 else np.float32(0.0)
             for j in range(n):
                 scores[j] = np.exp(scores[j] - largest)
                 norm += scores[j]
@@ -195,11 +199,12 @@ def warm_up() -> None:
     view = cache.view()
     view.flags.writeable = False
     for keys in (cache, view):  # the cache's own arrays (sliding windows) or read-only views of it
-        attend(heads[0], keys, keys, 3, 1.0, 2, np.arange(3), 0, 0.0, np.empty((2, 3), np.float32),
-               np.empty((2, 8), np.float32))
+        for sinks in (NO_SINKS, np.zeros(2, np.float32)):
+            attend(heads[0], keys, keys, 3, 1.0, 2, np.arange(3), 0, 0.0, sinks, np.empty((2, 3), np.float32),
+                   np.empty((2, 8), np.float32))
     rows = np.ones((2, 2, 8), np.float32)
     saved = np.ones((1, 1, 2, 8), np.float32)
     one = np.ones(1, np.int64)
     ragged_attention(rows, rows[:, :1].copy(), rows[:, :1].copy(), saved, saved, np.array([0, 2]),
                      np.zeros(1, np.int64), np.zeros(1, np.int64), one, one, np.zeros(2, np.int64),
-                     np.arange(2), np.float32(1.0), 0, 0.0, 0, 2, np.empty((2, 2, 8), np.float32))
+                     np.arange(2), np.float32(1.0), 0, 0.0, NO_SINKS, 0, 2, np.empty((2, 2, 8), np.float32))
