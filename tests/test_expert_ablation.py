@@ -244,19 +244,29 @@ def test_swept_over_layers_from_the_command_line_with_the_effect_metrics(moe_wor
         assert "expert_ablation.rerouted_choices" in metrics and "expert_ablation.banned_rows" in metrics
         assert "effect.top1_agreement" in metrics and "effect.first_divergent_step" in metrics
 
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["experiments.0.experts=[8]"],
+            "expert 8 is outside the model: tiny-qwen3moe-F32 has 8 experts",
+        ),
+        (
+            ["experiments.0.experts=[0,1,2,3,4,5,6]"],
+            "banning 7 of tiny-qwen3moe-F32's 8 experts leaves 1",
+        ),
+        (["experiments.0.experts=[1]", "layer=3"], "layer=3 is out of range"),
+        ([], "expert_ablation needs `experts`"),
+        (["experiments.0.experts=[1]", "model=smollm2_135m"], "is not a mixture of experts (family llama)"),
+    ],
+    ids=["expert past the model's", "fewer than top-k left", "layer past the model's", "no experts", "dense"],
+)
+def test_mistakes_on_the_command_line_are_one_line_and_exit_2(args, message, moe_workdir, capsys) -> None:
+    _, path = moe_workdir
+    model = [] if "model=smollm2_135m" in args else ["model=path", f"model.source={path}"]
     models.clear()
-    assert (
-        runner.main(
-            [
-                "model=path",
-                f"model.source={path}",
-                "experiment=expert_ablation",
-                "experiments.0.experts=[8]",
-                "mlflow.experiment_name=t_moe_bad",
-            ]
-        )
-        == 2
-    )
+    code = runner.main([*model, "experiment=expert_ablation", *args, "mlflow.experiment_name=t_moe_bad"])
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert lines[-1].startswith("ember: ") and "expert 8 is outside the model" in lines[-1]
-    assert not any("Traceback" in line for line in lines)
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("ember: ") and message in lines[0], lines
