@@ -3,7 +3,12 @@
 `estimate_memory` adds up the weights (the file's tensor bytes when they stay quantized, 4 bytes a value
 for float32), the KV cache for the asked context (float32 keys and values of every layer that holds
 them; sliding-window layers only their window), the activations of a prefill and the runtime (Python,
-NumPy, numba/LLVM, the tokenizer). `check_memory` refuses a load that cannot fit in what the machine
+NumPy, numba/LLVM, the tokenizer). A mixture of experts' expert tensors (`…_exps.weight`, 3-D) kept
+quantized are apart, `mapped`: they stay pages of the mapped file that a token reads only for the experts
+it is routed to (Qwen3-30B-A3B: 8 of 128 a layer), page cache the kernel fills on demand and may drop
+again, not memory the process holds; they are not in `total`, so an 18.6 GB Q4_K_M file whose experts
+are 17 GB fits a 24 GB machine. The other weights are read whole for every token: counted as resident.
+`check_memory` refuses a load that cannot fit in what the machine
 (or its cgroup) has available, naming the figures and the context length that would fit.
 """
 
@@ -40,15 +45,18 @@ class MemoryEstimate:
     runtime: int
     kv_bytes_per_token: int  # KV cache bytes per position of context (full-attention layers)
     context_length: int
+    mapped: int = 0  # expert weights read from the mapped file as tokens route to them (not in `total`)
 
     @property
     def total(self) -> int:
+        """The resident memory the load needs (the mapped expert weights are not in it)."""
         return self.weights + self.kv_cache + self.activations + self.runtime
 
     def describe(self) -> str:
+        mapped = f", and {_gib(self.mapped)} of expert weights mapped from the file" if self.mapped else ""
         return (f"about {_gib(self.total)} (weights {_gib(self.weights)}, KV cache for "
                 f"{self.context_length} tokens {_gib(self.kv_cache)}, activations {_gib(self.activations)}, "
-                f"runtime {_gib(self.runtime)})")
+                f"runtime {_gib(self.runtime)}{mapped})")
 
 
 def _gib(size: float) -> str:
@@ -68,6 +76,7 @@ def estimate_memory(gguf: GGUFFile, config: object, cache_specs: Sequence[tuple[
                     context_length: int, weights: str) -> MemoryEstimate:
     """The memory a load of `gguf` with this context and weight mode will need (see the module doc)."""
     tied = bool(getattr(config, "tied_embeddings", True))
+    mapped = 0  # float32 mode dequantizes the experts too: resident
     if weights == "float32":
         weight_bytes = 0
         for name, info in gguf.tensors.items():
@@ -77,7 +86,8 @@ def estimate_memory(gguf: GGUFFile, config: object, cache_specs: Sequence[tuple[
                 values *= dim
             weight_bytes += 0 if read_by_rows else 4 * values
     else:
-        weight_bytes = sum(info.nbytes for info in gguf.tensors.values())
+        mapped = sum(info.nbytes for name, info in gguf.tensors.items() if is_expert_tensor(name, info.shape))
+        weight_bytes = sum(info.nbytes for info in gguf.tensors.values()) - mapped
     hidden = int(config.hidden_size)
     feed_forward = int(config.feed_forward_length)
     heads = int(config.head_count)
@@ -86,6 +96,10 @@ def estimate_memory(gguf: GGUFFile, config: object, cache_specs: Sequence[tuple[
     rows = min(PREFILL_ROWS, context_length)
     # hidden, normed, attention and MLP outputs, Q/K/V, gate/up and its scratch, attention heads
     per_row = 4 * hidden + 3 * heads * head_dim + 3 * feed_forward
+    used = int(getattr(config, "expert_used_count", 0))
+    if used:  # the mixture's scratch per (row, chosen expert) pair (ember.families.experts.ExpertScratch)
+        expert_width = int(getattr(config, "expert_feed_forward_length", 0) or feed_forward)
+        per_row += used * (3 * hidden + 3 * expert_width) + int(config.expert_count)
     scores = 2 * heads * min(QUERY_CHUNK, rows) * rows  # a score block and its mask, over the prompt's keys
     activations = 4 * (rows * per_row + scores + 2 * vocab) + TILE_BYTES
     full_specs = [(kv, hd, 0) for kv, hd, window in cache_specs if not window]
@@ -96,7 +110,14 @@ def estimate_memory(gguf: GGUFFile, config: object, cache_specs: Sequence[tuple[
         runtime=RUNTIME_BYTES,
         kv_bytes_per_token=kv_cache_bytes(full_specs, 1),
         context_length=context_length,
+        mapped=mapped,
     )
+
+
+def is_expert_tensor(name: str, shape: Sequence[int]) -> bool:
+    """Whether a tensor is a mixture's stacked experts (`blk.N.ffn_{gate,up,gate_up,down}_exps.weight`,
+    [experts, out, in]): what `WeightStore.experts` reads expert by expert from the mapped file."""
+    return len(shape) == 3 and name.endswith("_exps.weight")
 
 
 LIMIT_ENV = "EMBER_MEMORY_LIMIT"  # e.g. "8G": plan with at most this much (a machine shared with others)

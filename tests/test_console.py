@@ -159,8 +159,8 @@ def test_the_config_s_experiment_names_work_in_the_cli(workdir):
     assert done.stderr.splitlines() == [
         "ember: unknown experiment 'zero_layr' in experiments[0] (did you mean zero_layer?); built-in "
         "experiments: ablation, activation_patching, activation_stats, attention_patterns, "
-        "direct_logit_attribution, expert_usage, head_patching, logit_lens, path_patching, steering, "
-        "zero_layer (alias zero_layer_output); or a class by its dotted path, package.module.Class"]
+        "direct_logit_attribution, expert_ablation, expert_usage, head_patching, logit_lens, path_patching, "
+        "steering, zero_layer (alias zero_layer_output); or a class by its dotted path, package.module.Class"]
     assert "_target_" not in done.stderr
 
 

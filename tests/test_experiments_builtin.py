@@ -57,7 +57,8 @@ def test_registry() -> None:
     assert BUILTIN_EXPERIMENTS["zero_layer_output"] is ZeroLayerOutput
     assert set(BUILTIN_EXPERIMENTS) == {"activation_stats", "zero_layer_output", "logit_lens",
                                         "activation_patching", "head_patching", "ablation", "steering",
-                                        "direct_logit_attribution", "expert_usage", "path_patching",
+                                        "direct_logit_attribution", "expert_usage", "expert_ablation",
+                                        "path_patching",
                                         "attention_patterns"}
     assert ActivationStats().name == "activation_stats"
     assert ZeroLayerOutput(layer=0).name == "zero_layer_output"

@@ -44,7 +44,8 @@ def test_public_names() -> None:
     assert [m.name for m in TensorDType] == ["F32"]
     assert set(ex.BUILTIN_EXPERIMENTS) == {"activation_stats", "zero_layer_output", "logit_lens",
                                            "activation_patching", "head_patching", "ablation", "steering",
-                                           "direct_logit_attribution", "expert_usage", "path_patching",
+                                           "direct_logit_attribution", "expert_usage", "expert_ablation",
+                                           "path_patching",
                                            "attention_patterns"}
 
 

@@ -46,12 +46,17 @@ def test_the_experiment_configs_are_found():
     assert {"none", "zero_layer", "steering"} <= {path.stem for path in EXPERIMENT_CONFIGS}
 
 
+# What a config cannot choose for the user (expert_ablation: which experts to ban).
+REQUIRED = {"expert_ablation": ("experiments.0.experts=[3]",)}
+
+
 @pytest.mark.parametrize("path", EXPERIMENT_CONFIGS, ids=lambda path: path.stem)
 def test_every_experiment_config_composes_and_builds(path, monkeypatch):
-    """Each conf/experiment/*.yaml, found here: a new file is a new case. `layer=7` for those that take it."""
+    """Each conf/experiment/*.yaml, found here: a new file is a new case. `layer=7` for those that take it
+    (and the parameters a config leaves for the user to give, REQUIRED)."""
     monkeypatch.syspath_prepend(str(REPO))  # the top-level experiments/ folder
     entries = yaml.safe_load(path.read_text())["experiments"]
-    run = parsed(f"experiment={path.stem}", "layer=7")
+    run = parsed(f"experiment={path.stem}", "layer=7", *REQUIRED.get(path.stem, ()))
     assert [spec.label for spec in run.experiments] == [e.get("name") or e["_target_"] for e in entries]
     built = build_experiments(run.experiments, BUILTIN_EXPERIMENTS, layer_count=30)
     assert len(built) == len(entries)
@@ -125,7 +130,8 @@ def test_ablation_takes_heads_without_a_layer():
         (["experiments=[{name:zero_layer_output,layer:[1,40]}]"], "layer[1]=40 is out of range"),
         (["experiments=[{name:nope}]"], "unknown experiment 'nope' in experiments[0]; built-in experiments: "
                                         "ablation, activation_patching, activation_stats, "
-                                        "attention_patterns, direct_logit_attribution, expert_usage, "
+                                        "attention_patterns, direct_logit_attribution, expert_ablation, "
+                                        "expert_usage, "
                                         "head_patching, logit_lens, path_patching, steering, zero_layer "
                                         "(alias zero_layer_output)"),
         (["experiments=[{name:zero_layr,layer:1}]"],

@@ -8,6 +8,7 @@ from ember.experiments.activation_stats import ActivationStats
 from ember.experiments.attention_patterns import AttentionPatterns
 from ember.experiments.base import Experiment
 from ember.experiments.direct_logit_attribution import DirectLogitAttribution
+from ember.experiments.expert_ablation import ExpertAblation
 from ember.experiments.expert_usage import ExpertUsage
 from ember.experiments.head_patching import HeadPatching
 from ember.experiments.logit_lens import LogitLens
@@ -25,6 +26,7 @@ BUILTIN_EXPERIMENTS: dict[str, type[Experiment]] = {
     "steering": Steering,
     "direct_logit_attribution": DirectLogitAttribution,
     "expert_usage": ExpertUsage,
+    "expert_ablation": ExpertAblation,
     "path_patching": PathPatching,
     "attention_patterns": AttentionPatterns,
 }
