@@ -118,6 +118,8 @@ def build_config(gguf: GGUFFile) -> GptOssConfig:
         embedding_scale=1.0,
         residual_scale=1.0,
         logit_scale=1.0,
+        temperature_scale=0.0,  # no attention temperature (mistral3's)
+        temperature_length=1,
         expert_count=experts,
         expert_used_count=used,
         sliding_window=window,
