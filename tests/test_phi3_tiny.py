@@ -130,6 +130,9 @@ def write_phi3_gguf(model: Any, path: Path, qtype: GGMLQuantizationType = F32, *
             writer.add_uint32(f"phi3.{key}", int(value))
     writer.add_file_type(int(gguf.LlamaFileType.ALL_F32 if qtype == F32 else gguf.LlamaFileType.MOSTLY_Q8_0))
     tokens, scores, types = spm_vocab()
+    # Phi-3's names for the control tokens: llama.cpp looks "</s>", "<unk>", "<s>" and "<|endoftext|>" up
+    # by text when a model's name says phi3 (per-token attributes) and refuses a vocabulary without them
+    tokens[:4] = ["<|endoftext|>", "</s>", "<s>", "<unk>"]
     writer.add_tokenizer_model("llama")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)

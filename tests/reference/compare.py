@@ -67,3 +67,30 @@ def compare_evaluations(ours: list[Evaluation], reference: list[Evaluation]) -> 
         _update(worst["final_norm"], mine.final_norm, theirs.final_norm[last:], start, "final norm", last)
         _update(worst["logits"], mine.logits, theirs.logits[last:], start, "logits", last)
     return worst
+
+
+def cosines(ours: np.ndarray, theirs: np.ndarray) -> np.ndarray:
+    """Cosine similarity of each row (one position's logits) of two [positions, vocab] arrays."""
+    return np.sum(ours * theirs, axis=1) / np.linalg.norm(ours, axis=1) / np.linalg.norm(theirs, axis=1)
+
+
+def check_against_llama_cpp(ours: np.ndarray, theirs: np.ndarray, theirs_dequantized: np.ndarray, *,
+                            min_cosine: float = 0.9999) -> str:
+    """ember's logits on a file against llama.cpp's on the same file and on its dequantized F32 copy.
+
+    llama.cpp quantizes the activations that meet a quantized weight (Q8_0 blocks for Q8_0 and MXFP4
+    weights), ember does not, so on a quantized file the two differ by llama.cpp's rounding (measured on
+    the tiny gpt-oss: cosine 0.93 at worst with Q8_0 weights, 0.9995 with MXFP4 experts only) while on the
+    F32 copy holding the same weights they agree to 0.999999. So: ember on the file equals llama.cpp on
+    the F32 copy (cosine ≥ `min_cosine`, every argmax the same), and is no further from llama.cpp on the
+    file than llama.cpp's own two runs are from each other (twice that distance, plus 1e-5). Returns the
+    figures, for the test's output."""
+    exact = cosines(ours, theirs_dequantized)
+    rounding = 1.0 - cosines(theirs, theirs_dequantized)
+    distance = 1.0 - cosines(ours, theirs)
+    figures = (f"ember vs llama.cpp on the F32 copy: min cosine {exact.min():.7f}; on the file: "
+               f"{1 - distance.max():.7f}, llama.cpp's own rounding {1 - rounding.max():.7f}")
+    assert exact.min() >= min_cosine, figures
+    assert (ours.argmax(axis=1) == theirs_dequantized.argmax(axis=1)).all(), figures
+    assert distance.max() <= 2.0 * rounding.max() + 1e-5, figures
+    return figures

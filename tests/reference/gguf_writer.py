@@ -425,9 +425,10 @@ def load_gguf_weights_into_hf(model: torch.nn.Module, path: str | Path) -> list[
 
 def rewrite_gguf(path: str | Path, out: str | Path, *, drop_key: str | None = None,
                  drop_tensor: str | None = None, replace: dict | None = None, extra: dict | None = None,
-                 reshape: dict[str, tuple[int, ...]] | None = None) -> Path:
+                 reshape: dict[str, tuple[int, ...]] | None = None, dequantize: bool = False) -> Path:
     """Copy a GGUF file with a metadata key or tensor removed, metadata values replaced or added (uint32),
-    or F32 tensors given another NumPy shape (`reshape`: the first values of the tensor, recycled)."""
+    F32 tensors given another NumPy shape (`reshape`: the first values of the tensor, recycled), or every
+    quantized tensor stored as the F32 values it stands for (`dequantize`, gguf-py's decoding)."""
     reader = gguf.GGUFReader(path)
     architecture = reader.fields["general.architecture"].contents()
     writer = gguf.GGUFWriter(out, architecture)
@@ -449,6 +450,10 @@ def rewrite_gguf(path: str | Path, out: str | Path, *, drop_key: str | None = No
             writer.add_tensor(tensor.name, data, raw_dtype=GGMLQuantizationType.F32)
             continue
         shape = tuple(reversed(tensor.shape.tolist()))
+        if dequantize and tensor.tensor_type not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+            values = gguf.quants.dequantize(np.array(tensor.data), tensor.tensor_type).reshape(shape)
+            writer.add_tensor(tensor.name, values.astype(np.float32), raw_dtype=GGMLQuantizationType.F32)
+            continue
         writer.add_tensor(tensor.name, np.array(tensor.data), raw_shape=shape, raw_dtype=tensor.tensor_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
