@@ -25,7 +25,7 @@ from ember.weights import kernel_types
 def test_every_type_the_loader_takes_has_one_complete_record():
     assert kernel_types() is BLOCK_TYPES and BLOCK_TYPES is kernels.BLOCK_TYPES
     assert {Q(t).name for t in BLOCK_TYPES} == {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0",
-                                               "Q5_1", "Q4_K", "Q5_K", "Q6_K"}
+                                               "Q5_1", "Q4_K", "Q5_K", "Q6_K", "MXFP4"}
     for type_id, record in BLOCK_TYPES.items():
         assert record.type_id == type_id == int(record.qtype) and record.name == record.qtype.name
         assert (record.values, record.nbytes) == GGML_QUANT_SIZES[record.qtype]
