@@ -182,7 +182,10 @@ def test_chat_messages_go_through_the_chat_template(workdir):
     run = only_run(workdir, "t_chat")
     assert run.data.params["messages.0.role"] == "user" and run.data.params["messages.0.content"] == "Hi"
     generation = json.loads(artifact(workdir, run, "generation.json").read_text())
-    tokenizer = models._MODELS[next(iter(models._MODELS))].tokenizer
+    # the run's own model (the process-wide cache also holds models other tests loaded)
+    recorded = Path(run.data.tags["model.path"]).resolve()
+    tokenizer = next(model for (path, _, _), model in models._MODELS.items()
+                     if Path(path) == recorded).tokenizer
     prompt = tokenizer.decode(generation["prompt_token_ids"], special=True)
     assert "<|im_start|>user\nHi<|im_end|>" in prompt and prompt.endswith("<|im_start|>assistant\n")
 
