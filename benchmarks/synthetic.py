@@ -42,6 +42,43 @@ Facts and where they come from:
 * Vocabulary: llama.cpp's vocab-only GGUFs in tests/data/vocab/ (tokens, scores, types, merges,
   pre-tokenizer, special ids, chat template): `llama-bpe` for Llama 3, `qwen2` (151936 rows, Qwen3's
   pre-tokenizer) for Qwen3 with Qwen3's end-of-turn id 151645, `gemma-4` for Gemma 4.
+
+The families added later (one real shape each; docs/families.md §7-§14 for their tensors and keys):
+
+* Shapes: Qwen/Qwen2.5-7B, microsoft/Phi-4-mini-instruct (its LongRoPE factors copied), google/gemma-2-9b-it,
+  allenai/OLMo-2-1124-7B, HuggingFaceTB/SmolLM3-3B, openai/gpt-oss-20b, ibm-granite/granite-3.3-2b-instruct,
+  mistralai/Ministral-3-3B-Instruct-2512 (text_config), config.json files read as copies in public
+  repositories (OLMo-2-1124-7B's from memory of the model card's config, its family's vocabulary size, rope
+  base and epsilon checked against OLMo-2-0425-1B's verbatim copy). The plans of Qwen2.5-7B, Phi-4-mini,
+  Gemma-2-9B, SmolLM3-3B, Granite-3.3-2B and Ministral-3-3B come within 2-9 MB (their vocabulary's metadata)
+  below the sizes of the released Q4_K_M files (tests/test_synthetic.py).
+* Keys and tensors as the converter writes them (mirrored from tests/reference/gguf_writer.py and the
+  families' tiny tests): qwen2 `attn_{q,k,v}.bias`; phi3 fused `attn_qkv` and `ffn_up` (gate rows first),
+  `rope.dimension_count` = int(0.75 * 3072) // 24 = 96, `rope_factors_long/short.weight`,
+  `rope.scaling.original_context_length` and `attn_factor` (sqrt(1 + ln s / ln L0)),
+  `attention.sliding_window` (262144: llama.cpp switches it off), no key_length; gemma2 the two softcaps, the
+  window, key_length, post-norms (norm weights of 1 in the file, which holds w + 1), no rope base key; olmo2
+  no pre-norms, q/k norms over all heads, post-norms, an untied head; smollm3 a plain llama layout: which
+  layers skip rope is in no key (llama.cpp: every 4th, `n_no_rope_layer_step = 4`); granite the four
+  multipliers (embedding, residual, attention, logit); mistral3 the YaRN keys (factor, original context,
+  betas, `yarn_log_multiplier`) and `attention.temperature_scale`; gpt-oss biases on every projection,
+  `attn_sinks`, a biased router, biased experts, YaRN (factor 32 over 4096), a 128 window. Biases and sinks
+  are random vectors (spread 1/sqrt(length)), F32.
+* gpt-oss's experts are MXFP4 in the released checkpoint and the converter writes them so. llama.cpp's
+  llama-quant.cpp (the vendored copy has `llama_quant_compute_types`, the categorized rules) would choose
+  Q4_K/Q6_K for them but refuses to requantize an MXFP4 tensor ("requantizing from type mxfp4 is disabled")
+  unless told `--allow-requantize`, and the published GGUF files keep the experts in MXFP4 (ggml-org's MXFP4
+  file is 12.11 GB; this plan, with Q4_K_M elsewhere, 11.61 GB); so the experts stay MXFP4 here, every other
+  tensor follows the Q4_K_M rules (2880-wide rows fall back to Q5_0 / Q8_0). MXFP4 blocks: random codes, one
+  exponent byte per block chosen so the spread is 1/sqrt(columns) within a factor of sqrt(2).
+* `attn_qkv` takes attn_v's more-bits rule (llama-quant.cpp's `category_is_attn_v`; older llama.cpp gave it
+  Q5_K).
+* Vocabularies: tests/data/vocab/ has only some of the real ones. Qwen2.5 uses `qwen2` (its own, padded to
+  152064 rows) and SmolLM3 `llama-bpe` (Llama 3's, of which SmolLM3's renames a few reserved tokens; eos
+  128012); the others use the closest available, which the benchmark only needs to load and run: Phi-4-mini
+  and gpt-oss `qwen2` (for o200k), Gemma 2 `llama-spm` (for Gemma's 256000-token SentencePiece), OLMo 2
+  `gpt-2` (for its cl100k-derived BPE), Granite `llama-spm` (its own BPE has 49159 rows; `refact`, the
+  nearest, has 49216 tokens, more than the model's rows), Ministral 3 `llama-bpe` (for Tekken).
 """
 
 from __future__ import annotations
