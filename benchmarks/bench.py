@@ -4,13 +4,15 @@
     python -m benchmarks.bench --repeats 5 --threads 2 --json out.json
     python -m benchmarks.bench --model gemma3-270m --engines llama.cpp,transformers
     python -m benchmarks.bench --model ladder                # the model-size ladder (benchmarks/ladder.py)
+    python -m benchmarks.bench --model families              # one synthetic shape per later family
     python -m benchmarks.bench --model llama-3.2-1b --engines ember,ember:float32,llama.cpp
 
 Models are ember's known names (smollm2-135m, gemma3-270m), the synthetic shapes of
 benchmarks/synthetic.py (written into the ember cache on first use), `ladder` (all of them, smallest
-first) or `--gguf PATH`. Engines: `ember` (its default weights), `ember:float32` / `ember:quantized`
-(`ember.load_model(..., weights=...)`, passed only when this ember has the option), `llama.cpp`,
-`transformers`.
+first), `families` (benchmarks/ladder.py FAMILIES: Qwen2.5-7B, Phi-4-mini, Gemma-2-9B, OLMo-2-7B,
+SmolLM3-3B, gpt-oss-20b, Granite-3.3-2B, Ministral-3-3B shapes) or `--gguf PATH`. Engines: `ember` (its
+default weights), `ember:float32` / `ember:quantized` (`ember.load_model(..., weights=...)`, passed only
+when this ember has the option), `llama.cpp`, `transformers`.
 
 Every measurement runs in its own fresh subprocess, so load times start with nothing warm in memory and
 each peak RSS belongs to one engine. For every repeat and engine there are two processes:
@@ -571,7 +573,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.bench", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m",
                         help="model name(s), comma-separated: ember's known names, synthetic shapes "
-                        "(python -m benchmarks.synthetic --list) or 'ladder' for all of them")
+                        "(python -m benchmarks.synthetic --list), 'ladder' for the ladder or 'families' "
+                        "for one synthetic shape per later family")
     parser.add_argument("--gguf", help="use this local GGUF file instead of resolving --model")
     parser.add_argument("--engines", default=None,
                         help="comma-separated: ember, ember:quantized, ember:float32, llama.cpp, "
@@ -657,6 +660,8 @@ def main(argv: list[str] | None = None) -> None:
     models = [m.strip() for m in args.model.split(",") if m.strip()] if not args.gguf else [args.model]
     if models == ["ladder"]:
         models = list(ladder.LADDER)
+    elif models == ["families"]:
+        models = list(ladder.FAMILIES)
     default_engines = "ember,llama.cpp" if len(models) > 1 else ",".join(ENGINES)
     engines = [engine.strip() for engine in (args.engines or default_engines).split(",") if engine.strip()]
     if args.ember_weights:

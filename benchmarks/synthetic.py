@@ -42,6 +42,43 @@ Facts and where they come from:
 * Vocabulary: llama.cpp's vocab-only GGUFs in tests/data/vocab/ (tokens, scores, types, merges,
   pre-tokenizer, special ids, chat template): `llama-bpe` for Llama 3, `qwen2` (151936 rows, Qwen3's
   pre-tokenizer) for Qwen3 with Qwen3's end-of-turn id 151645, `gemma-4` for Gemma 4.
+
+The families added later (one real shape each; docs/families.md §7-§14 for their tensors and keys):
+
+* Shapes: Qwen/Qwen2.5-7B, microsoft/Phi-4-mini-instruct (its LongRoPE factors copied), google/gemma-2-9b-it,
+  allenai/OLMo-2-1124-7B, HuggingFaceTB/SmolLM3-3B, openai/gpt-oss-20b, ibm-granite/granite-3.3-2b-instruct,
+  mistralai/Ministral-3-3B-Instruct-2512 (text_config), config.json files read as copies in public
+  repositories (OLMo-2-1124-7B's from memory of the model card's config, its family's vocabulary size, rope
+  base and epsilon checked against OLMo-2-0425-1B's verbatim copy). The plans of Qwen2.5-7B, Phi-4-mini,
+  Gemma-2-9B, SmolLM3-3B, Granite-3.3-2B and Ministral-3-3B come within 2-9 MB (their vocabulary's metadata)
+  below the sizes of the released Q4_K_M files (tests/test_synthetic.py).
+* Keys and tensors as the converter writes them (mirrored from tests/reference/gguf_writer.py and the
+  families' tiny tests): qwen2 `attn_{q,k,v}.bias`; phi3 fused `attn_qkv` and `ffn_up` (gate rows first),
+  `rope.dimension_count` = int(0.75 * 3072) // 24 = 96, `rope_factors_long/short.weight`,
+  `rope.scaling.original_context_length` and `attn_factor` (sqrt(1 + ln s / ln L0)),
+  `attention.sliding_window` (262144: llama.cpp switches it off), no key_length; gemma2 the two softcaps, the
+  window, key_length, post-norms (norm weights of 1 in the file, which holds w + 1), no rope base key; olmo2
+  no pre-norms, q/k norms over all heads, post-norms, an untied head; smollm3 a plain llama layout: which
+  layers skip rope is in no key (llama.cpp: every 4th, `n_no_rope_layer_step = 4`); granite the four
+  multipliers (embedding, residual, attention, logit); mistral3 the YaRN keys (factor, original context,
+  betas, `yarn_log_multiplier`) and `attention.temperature_scale`; gpt-oss biases on every projection,
+  `attn_sinks`, a biased router, biased experts, YaRN (factor 32 over 4096), a 128 window. Biases and sinks
+  are random vectors (spread 1/sqrt(length)), F32.
+* gpt-oss's experts are MXFP4 in the released checkpoint and the converter writes them so. llama.cpp's
+  llama-quant.cpp (the vendored copy has `llama_quant_compute_types`, the categorized rules) would choose
+  Q4_K/Q6_K for them but refuses to requantize an MXFP4 tensor ("requantizing from type mxfp4 is disabled")
+  unless told `--allow-requantize`, and the published GGUF files keep the experts in MXFP4 (ggml-org's MXFP4
+  file is 12.11 GB; this plan, with Q4_K_M elsewhere, 11.61 GB); so the experts stay MXFP4 here, every other
+  tensor follows the Q4_K_M rules (2880-wide rows fall back to Q5_0 / Q8_0). MXFP4 blocks: random codes, one
+  exponent byte per block chosen so the spread is 1/sqrt(columns) within a factor of sqrt(2).
+* `attn_qkv` takes attn_v's more-bits rule (llama-quant.cpp's `category_is_attn_v`; older llama.cpp gave it
+  Q5_K).
+* Vocabularies: tests/data/vocab/ has only some of the real ones. Qwen2.5 uses `qwen2` (its own, padded to
+  152064 rows) and SmolLM3 `llama-bpe` (Llama 3's, of which SmolLM3's renames a few reserved tokens; eos
+  128012); the others use the closest available, which the benchmark only needs to load and run: Phi-4-mini
+  and gpt-oss `qwen2` (for o200k), Gemma 2 `llama-spm` (for Gemma's 256000-token SentencePiece), OLMo 2
+  `gpt-2` (for its cl100k-derived BPE), Granite `llama-spm` (its own BPE has 49159 rows; `refact`, the
+  nearest, has 49216 tokens, more than the model's rows), Ministral 3 `llama-bpe` (for Tekken).
 """
 
 from __future__ import annotations
@@ -74,6 +111,7 @@ _CHUNK_BYTES = 64 << 20
 _QK_K = 256
 
 SLIDING, FULL = "sliding", "full"
+RANDOM = "random"  # a vector (bias, sink) of random values instead of a constant
 
 
 @dataclass(frozen=True)
@@ -82,7 +120,7 @@ class Shape:
 
     name: str
     title: str
-    architecture: str  # GGUF general.architecture: llama, qwen3, qwen3moe, gemma4
+    architecture: str  # GGUF general.architecture: llama, qwen3, qwen3moe, gemma4, qwen2, phi3, ...
     hidden_size: int
     layer_count: int  # num_hidden_layers
     head_count: int  # num_attention_heads
@@ -115,6 +153,27 @@ class Shape:
     experts: int = 0  # num_experts
     experts_used: int = 0  # num_experts_per_tok
     expert_ffn: int = 0  # moe_intermediate_size
+    # Fields added after generator version 1 (see _LATER_FIELDS: left out of the digest at their defaults,
+    # so the files of the shapes above keep their digests).
+    attn_softcap: float = 0.0  # Gemma 2: attn_logit_softcapping
+    original_context: int = 0  # rope.scaling.original_context_length (Phi-3 LongRoPE, YaRN)
+    long_factors: tuple[float, ...] = ()  # Phi-3 LongRoPE: rope_scaling.long_factor
+    short_factors: tuple[float, ...] = ()  # rope_scaling.short_factor
+    rope_scaling_factor: float = 0.0  # YaRN: rope_scaling.factor
+    yarn_betas: tuple[float, float] | None = None  # YaRN: beta_fast, beta_slow (written only if given)
+    yarn_log_multiplier: float = 0.0  # Ministral 3: mscale_all_dim
+    temperature_scale: float = 0.0  # Ministral 3: llama_4_scaling_beta
+    # Granite: embedding_multiplier, residual_multiplier, attention_multiplier, logits_scaling
+    embedding_scale: float = 0.0
+    residual_scale: float = 0.0
+    attention_scale: float = 0.0
+    logit_scale: float = 0.0
+    expert_qtype: str = ""  # a type name the experts keep (gpt-oss: "MXFP4"); "" = the Q4_K_M rules
+
+    @property
+    def rope_dim(self) -> int:
+        """Phi-3's rope.dimension_count: int(partial_rotary_factor * hidden) // heads."""
+        return int(self.partial_rotary * self.hidden_size) // self.head_count
 
     @property
     def first_shared_layer(self) -> int:
@@ -146,6 +205,17 @@ def _gemma4_e2b_layers() -> tuple[str, ...]:
 
 def _gemma4_26b_layers() -> tuple[str, ...]:
     return tuple(FULL if i % 6 == 5 else SLIDING for i in range(30))  # (s x 5, F) x 5
+
+
+# microsoft/Phi-4-mini-instruct config.json rope_scaling (LongRoPE, 48 = 96 rotated dims / 2 each).
+_PHI4_MINI_LONG = (
+    1.0, 1.118320672, 1.250641126, 1.398617824, 1.564103225, 1.74916897, 1.956131817, 2.187582649,
+    2.446418898, 2.735880826, 3.059592084, 3.421605075, 3.826451687, 4.279200023, 4.785517845, 5.351743533,
+    5.984965424, 6.693110555, 7.485043894, 8.370679318, 9.36110372, 10.4687158, 11.70738129, 13.09260651,
+    14.64173252, 16.37415215, 18.31155283, 20.47818807, 22.90118105, 25.61086418, 28.64115884, 32.03,
+    32.1, 32.13, 32.23, 32.6, 32.61, 32.64, 32.66, 32.7, 32.71, 32.93, 32.97, 33.28, 33.49, 33.5, 44.16,
+    47.77)
+_PHI4_MINI_SHORT = (1.0,) * 48
 
 
 SHAPES: dict[str, Shape] = {
@@ -192,6 +262,63 @@ SHAPES: dict[str, Shape] = {
         context_length=40960, rope_base=1_000_000.0, rms_eps=1e-6, experts=128, experts_used=8,
         expert_ffn=768, special_ids=(("eos", 151645), ("bos", 151643), ("pad", 151643)),
         source="Qwen/Qwen3-30B-A3B config.json"),
+    # The families added after the first ladder: one real shape each.
+    "qwen2.5-7b": Shape(
+        "qwen2.5-7b", "Qwen2.5-7B", "qwen2", hidden_size=3584, layer_count=28, head_count=28,
+        head_count_kv=4, head_dim=128, ffn=18944, vocab="qwen2", vocab_size=152064, tied=False,
+        context_length=131072, rope_base=1_000_000.0, rms_eps=1e-6, config_has_head_dim=False,
+        source="Qwen/Qwen2.5-7B config.json (no head_dim: 3584 / 28)"),
+    "phi-4-mini": Shape(
+        "phi-4-mini", "Phi-4-mini", "phi3", hidden_size=3072, layer_count=32, head_count=24,
+        head_count_kv=8, head_dim=128, ffn=8192, vocab="qwen2", vocab_size=200064, tied=True,
+        context_length=131072, rope_base=10_000.0, rms_eps=1e-5, config_has_head_dim=False,
+        partial_rotary=0.75, sliding_window=262144, original_context=4096, long_factors=_PHI4_MINI_LONG,
+        short_factors=_PHI4_MINI_SHORT,
+        source="microsoft/Phi-4-mini-instruct config.json; vocabulary: qwen2's in place of Phi-4-mini's "
+               "gpt-4o (o200k) one, which tests/data/vocab/ has not"),
+    "gemma-2-9b": Shape(
+        "gemma-2-9b", "Gemma-2-9B", "gemma2", hidden_size=3584, layer_count=42, head_count=16,
+        head_count_kv=8, head_dim=256, ffn=14336, vocab="llama-spm", vocab_size=256000, tied=True,
+        context_length=8192, rope_base=10_000.0, rms_eps=1e-6, sliding_window=4096, softcap=30.0,
+        attn_softcap=50.0,
+        source="google/gemma-2-9b-it config.json; vocabulary: llama-spm's SentencePiece in place of "
+               "Gemma's 256000-token one, which tests/data/vocab/ has not"),
+    "olmo-2-7b": Shape(
+        "olmo-2-7b", "OLMo-2-7B", "olmo2", hidden_size=4096, layer_count=32, head_count=32,
+        head_count_kv=32, head_dim=128, ffn=11008, vocab="gpt-2", vocab_size=100352, tied=False,
+        context_length=4096, rope_base=500_000.0, rms_eps=1e-6, config_has_head_dim=False,
+        source="allenai/OLMo-2-1124-7B config.json; vocabulary: gpt-2's in place of OLMo 2's "
+               "cl100k-derived one, which tests/data/vocab/ has not"),
+    "smollm3-3b": Shape(
+        "smollm3-3b", "SmolLM3-3B", "smollm3", hidden_size=2048, layer_count=36, head_count=16,
+        head_count_kv=4, head_dim=128, ffn=11008, vocab="llama-bpe", vocab_size=128256, tied=True,
+        context_length=65536, rope_base=5_000_000.0, rms_eps=1e-6, config_has_head_dim=False,
+        special_ids=(("eos", 128012), ("pad", 128004)),
+        source="HuggingFaceTB/SmolLM3-3B config.json (no_rope_layer_interval 4); vocabulary: llama-bpe "
+               "(Llama 3's, which SmolLM3's extends by renaming reserved tokens)"),
+    "gpt-oss-20b": Shape(
+        "gpt-oss-20b", "gpt-oss-20b", "gpt-oss", hidden_size=2880, layer_count=24, head_count=64,
+        head_count_kv=8, head_dim=64, ffn=2880, vocab="qwen2", vocab_size=201088, tied=False,
+        context_length=131072, rope_base=150_000.0, rms_eps=1e-5, sliding_window=128, experts=32,
+        experts_used=4, expert_ffn=2880, original_context=4096, rope_scaling_factor=32.0,
+        expert_qtype="MXFP4",
+        source="openai/gpt-oss-20b config.json; vocabulary: qwen2's in place of gpt-oss's o200k_harmony "
+               "one, which tests/data/vocab/ has not"),
+    "granite-3.3-2b": Shape(
+        "granite-3.3-2b", "Granite-3.3-2B", "granite", hidden_size=2048, layer_count=40, head_count=32,
+        head_count_kv=8, head_dim=64, ffn=8192, vocab="llama-spm", vocab_size=49159, tied=True,
+        context_length=131072, rope_base=10_000_000.0, rms_eps=1e-5, config_has_head_dim=False,
+        embedding_scale=12.0, residual_scale=0.22, attention_scale=0.015625, logit_scale=8.0,
+        source="ibm-granite/granite-3.3-2b-instruct config.json; vocabulary: llama-spm's in place of "
+               "Granite's 49159-token BPE (tests/data/vocab/'s refact, its closest, has 49216 tokens: more "
+               "than the model's rows)"),
+    "ministral-3-3b": Shape(
+        "ministral-3-3b", "Ministral-3-3B", "mistral3", hidden_size=3072, layer_count=26, head_count=32,
+        head_count_kv=8, head_dim=128, ffn=9216, vocab="llama-bpe", vocab_size=131072, tied=True,
+        context_length=262144, rope_base=1_000_000.0, rms_eps=1e-5, original_context=16384,
+        rope_scaling_factor=16.0, yarn_betas=(32.0, 1.0), yarn_log_multiplier=1.0, temperature_scale=0.1,
+        source="mistralai/Ministral-3-3B-Instruct-2512 config.json text_config; vocabulary: llama-bpe in "
+               "place of Tekken (131072 tokens), which tests/data/vocab/ has not"),
 }
 
 
@@ -241,9 +368,12 @@ def q4_k_m_type(name: str, shape: tuple[int, ...], *, tied: bool, attn_v: tuple[
 
     `attn_v` is (index among the attn_v tensors, their count) for an attn_v tensor; `layer` is
     (layer index, layer count) for an ffn_down tensor (with experts, `ffn_down_exps`: llama-quant.cpp
-    reads the layer from its name, so every expert of a layer gets the layer's type)."""
+    reads the layer from its name, so every expert of a layer gets the layer's type). `attn_qkv` counts
+    as an attn_v tensor (llama-quant.cpp's category_is_attn_v)."""
     if len(shape) < 2 or name.endswith("_norm.weight") or name.endswith("ffn_gate_inp.weight"):
         return Q.F32  # vectors, norms and routers stay as converted (F32 here)
+    if not name.endswith("weight"):
+        return Q.F32  # biases (2-D for experts) are never quantized
     if "per_layer_model_proj" in name:
         return Q.BF16
     columns = shape[-1]
@@ -274,12 +404,16 @@ def llama3_rope_factors(shape: Shape) -> tuple[float, ...]:
     return tuple(factors)
 
 
-def _layer_tensors(shape: Shape, i: int) -> Iterator[tuple[str, tuple[int, ...], float]]:
-    """(name, NumPy shape, norm value) of layer i; the value only matters for vectors."""
+def _layer_tensors(shape: Shape, i: int) -> Iterator[tuple[str, tuple[int, ...], float | str]]:
+    """(name, NumPy shape, norm value or RANDOM) of layer i; the value only matters for vectors."""
     H, nh = shape.hidden_size, shape.head_count
     hd = shape.layer_head_dim(i)
     b = f"blk.{i}."
     qk_norm = hd ** -0.25 if shape.architecture == "gemma4" else 1.0
+    arch = shape.architecture
+    if arch in ("phi3", "olmo2", "gpt-oss"):
+        yield from _layer_tensors_v2(shape, i)
+        return
     yield b + "attn_norm.weight", (H,), 1.0
     yield b + "attn_q.weight", (nh * hd, H), 0.0
     own = shape.owns_kv(i)
@@ -288,12 +422,20 @@ def _layer_tensors(shape: Shape, i: int) -> Iterator[tuple[str, tuple[int, ...],
         yield b + "attn_k.weight", (kv * hd, H), 0.0
         if not (shape.k_eq_v and shape.is_full(i)):
             yield b + "attn_v.weight", (kv * hd, H), 0.0
-    if shape.architecture in ("qwen3", "qwen3moe", "gemma4"):
+    if arch == "qwen2":  # Q/K/V biases (no other biases)
+        kv = shape.layer_kv_heads(i)
+        yield b + "attn_q.bias", (nh * hd,), RANDOM
+        yield b + "attn_k.bias", (kv * hd,), RANDOM
+        yield b + "attn_v.bias", (kv * hd,), RANDOM
+    if arch in ("qwen3", "qwen3moe", "gemma4"):
         yield b + "attn_q_norm.weight", (hd,), qk_norm
         if own:
             yield b + "attn_k_norm.weight", (hd,), qk_norm
     yield b + "attn_output.weight", (H, nh * hd), 0.0
     yield b + "ffn_norm.weight", (H,), 1.0
+    if arch == "gemma2":
+        yield b + "post_attention_norm.weight", (H,), 1.0
+        yield b + "post_ffw_norm.weight", (H,), 1.0
     E, Fe = shape.experts, shape.expert_ffn
     if shape.experts and shape.architecture == "gemma4":  # the dense FFN (below) beside the experts
         yield b + "ffn_gate_inp.weight", (E, H), 0.0
@@ -324,6 +466,50 @@ def _layer_tensors(shape: Shape, i: int) -> Iterator[tuple[str, tuple[int, ...],
             yield b + "post_norm.weight", (H,), 1.0
 
 
+def _layer_tensors_v2(shape: Shape, i: int) -> Iterator[tuple[str, tuple[int, ...], float | str]]:
+    """Layer i of the families whose layers are not Llama's (phi3, olmo2, gpt-oss): docs/families.md
+    §8, §12, §14."""
+    H, nh, hd, kv, F = shape.hidden_size, shape.head_count, shape.head_dim, shape.head_count_kv, shape.ffn
+    b = f"blk.{i}."
+    arch = shape.architecture
+    if arch == "phi3":  # fused QKV rows (q, k, v) and fused gate+up rows (gate first)
+        yield b + "attn_norm.weight", (H,), 1.0
+        yield b + "attn_qkv.weight", ((nh + 2 * kv) * hd, H), 0.0
+        yield b + "attn_output.weight", (H, nh * hd), 0.0
+        yield b + "ffn_norm.weight", (H,), 1.0
+        yield b + "ffn_up.weight", (2 * F, H), 0.0
+        yield b + "ffn_down.weight", (H, F), 0.0
+    elif arch == "olmo2":  # no pre-norms: q/k norms over all heads at once, post-norms on both branches
+        yield b + "attn_q.weight", (nh * hd, H), 0.0
+        yield b + "attn_k.weight", (kv * hd, H), 0.0
+        yield b + "attn_v.weight", (kv * hd, H), 0.0
+        yield b + "attn_q_norm.weight", (nh * hd,), 1.0
+        yield b + "attn_k_norm.weight", (kv * hd,), 1.0
+        yield b + "attn_output.weight", (H, nh * hd), 0.0
+        yield b + "post_attention_norm.weight", (H,), 1.0
+        yield b + "ffn_gate.weight", (F, H), 0.0
+        yield b + "ffn_up.weight", (F, H), 0.0
+        yield b + "ffn_down.weight", (H, F), 0.0
+        yield b + "post_ffw_norm.weight", (H,), 1.0
+    else:  # gpt-oss: biases everywhere, sinks, a biased router, experts with biases
+        E, Fe = shape.experts, shape.expert_ffn
+        yield b + "attn_norm.weight", (H,), 1.0
+        for name, rows, columns in (("attn_q", nh * hd, H), ("attn_k", kv * hd, H), ("attn_v", kv * hd, H),
+                                    ("attn_output", H, nh * hd)):
+            yield b + name + ".weight", (rows, columns), 0.0
+            yield b + name + ".bias", (rows,), RANDOM
+        yield b + "attn_sinks.weight", (nh,), RANDOM
+        yield b + "post_attention_norm.weight", (H,), 1.0
+        yield b + "ffn_gate_inp.weight", (E, H), 0.0
+        yield b + "ffn_gate_inp.bias", (E,), RANDOM
+        yield b + "ffn_gate_exps.weight", (E, Fe, H), 0.0
+        yield b + "ffn_gate_exps.bias", (E, Fe), RANDOM
+        yield b + "ffn_up_exps.weight", (E, Fe, H), 0.0
+        yield b + "ffn_up_exps.bias", (E, Fe), RANDOM
+        yield b + "ffn_down_exps.weight", (E, H, Fe), 0.0
+        yield b + "ffn_down_exps.bias", (E, H), RANDOM
+
+
 def _global_tensors(shape: Shape) -> Iterator[tuple[str, tuple[int, ...], float, tuple[float, ...]]]:
     H, V_ = shape.hidden_size, shape.vocab_size
     yield "token_embd.weight", (V_, H), 0.0, ()
@@ -332,6 +518,9 @@ def _global_tensors(shape: Shape) -> Iterator[tuple[str, tuple[int, ...], float,
         yield "output.weight", (V_, H), 0.0, ()
     if shape.llama3_rope is not None:
         yield "rope_freqs.weight", (shape.head_dim // 2,), 0.0, llama3_rope_factors(shape)
+    if shape.long_factors:  # Phi-3 LongRoPE: one factor per rotated pair
+        yield "rope_factors_long.weight", (shape.rope_dim // 2,), 0.0, shape.long_factors
+        yield "rope_factors_short.weight", (shape.rope_dim // 2,), 0.0, shape.short_factors
     if shape.architecture == "gemma4":
         if any(shape.is_full(i) for i in range(shape.layer_count)):
             rotated = int(shape.head_dim_full * shape.partial_rotary / 2)
@@ -352,19 +541,24 @@ def _order_key(name: str) -> tuple[int, str]:
 
 def tensor_plan(shape: Shape) -> list[TensorPlan]:
     """Every tensor of the shape's Q4_K_M file, in file order."""
-    entries: list[tuple[str, tuple[int, ...], float, tuple[float, ...]]] = list(_global_tensors(shape))
+    entries: list[tuple[str, tuple[int, ...], float | str, tuple[float, ...]]] = list(_global_tensors(shape))
     for i in range(shape.layer_count):
         entries += [(name, dims, value, ()) for name, dims, value in _layer_tensors(shape, i)]
     entries.sort(key=lambda entry: _order_key(entry[0]))
-    attn_v_names = [name for name, *_ in entries if name.endswith("attn_v.weight")]
+    attn_v_names = [name for name, *_ in entries if name.endswith(("attn_v.weight", "attn_qkv.weight"))]
     plans = []
     for name, dims, value, values in entries:
         attn_v = (attn_v_names.index(name), len(attn_v_names)) if name in attn_v_names else None
         down = name.endswith(("ffn_down.weight", "ffn_down_exps.weight"))
         layer = (_order_key(name)[0], shape.layer_count) if down else None
         qtype = q4_k_m_type(name, dims, tied=shape.tied, attn_v=attn_v, layer=layer)
+        if shape.expert_qtype and name.endswith("_exps.weight"):
+            qtype = Q[shape.expert_qtype]  # kept as released (see the module docstring: gpt-oss)
+        if value == RANDOM:
+            plans.append(TensorPlan(name, dims, qtype, "random"))
+            continue
         fill = "values" if values else ("const" if len(dims) == 1 else "random")
-        plans.append(TensorPlan(name, dims, qtype, fill, value, values))
+        plans.append(TensorPlan(name, dims, qtype, fill, float(value), values))
     return plans
 
 
@@ -390,6 +584,10 @@ _UNIT_STD = {
 }
 # Byte offset of the f16 scale(s) inside each block.
 _SCALE_FIELDS = {Q.Q4_K: (0, 2), Q.Q6_K: (208,), Q.Q5_0: (0,), Q.Q8_0: (0,)}
+# MXFP4 (gpt-oss experts): x = kvalues[q] * 2^(e - 128), kvalues the doubled e2m1 values 0, 1, 2, 3, 4, 6,
+# 8, 12 and their negatives, q uniform over the 16 codes (E[x^2] = 274/8 at e = 128); the scale is one
+# e8m0 exponent byte at the start of each block, so the spread is met to within a factor of 2^(1/2).
+_MXFP4_UNIT_STD = math.sqrt(274 / 8)
 
 
 def _tensor_rng(name: str, seed: int) -> np.random.Generator:
@@ -406,6 +604,9 @@ def quantized_chunks(plan: TensorPlan, seed: int, std: float) -> Iterator[np.nda
     block, size = gguf.GGML_QUANT_SIZES[plan.qtype]
     rows, columns = plan.elements // plan.columns, plan.columns
     row_bytes = columns // block * size
+    if plan.qtype == Q.MXFP4:
+        yield from _mxfp4_chunks(plan, seed, std, rows, row_bytes, size)
+        return
     d = np.float16(std / _UNIT_STD[plan.qtype])
     if not np.isfinite(d) or d == 0:
         raise ValueError(f"{plan.name}: block scale {float(d)} for std {std} is not a usable f16")
@@ -418,6 +619,18 @@ def quantized_chunks(plan: TensorPlan, seed: int, std: float) -> Iterator[np.nda
         blocks = _random_bytes(rng, n * row_bytes).reshape(-1, size)
         for k, offset in enumerate(_SCALE_FIELDS[plan.qtype]):
             blocks[:, offset:offset + 2] = scale_bytes[2 * k:2 * k + 2]
+        yield blocks.reshape(-1)
+
+
+def _mxfp4_chunks(plan: TensorPlan, seed: int, std: float, rows: int, row_bytes: int,
+                  size: int) -> Iterator[np.ndarray]:
+    exponent = np.uint8(128 + round(math.log2(std / _MXFP4_UNIT_STD)))
+    rng = _tensor_rng(plan.name, seed)
+    rows_per_chunk = max(1, _CHUNK_BYTES // row_bytes)
+    for start in range(0, rows, rows_per_chunk):
+        n = min(rows_per_chunk, rows - start)
+        blocks = _random_bytes(rng, n * row_bytes).reshape(-1, size)
+        blocks[:, 0] = exponent
         yield blocks.reshape(-1)
 
 
@@ -452,7 +665,7 @@ def _encode_float(data: np.ndarray, qtype: Q) -> np.ndarray:
 
 def tensor_chunks(plan: TensorPlan, seed: int) -> Iterator[np.ndarray]:
     std = 1.0 / math.sqrt(plan.columns)
-    if plan.qtype in _UNIT_STD:
+    if plan.qtype in _UNIT_STD or plan.qtype == Q.MXFP4:
         return quantized_chunks(plan, seed, std)
     return float_chunks(plan, seed, std)
 
@@ -506,6 +719,49 @@ def vocabulary(shape: Shape) -> dict[str, Any]:
     return values
 
 
+# The architectures whose converter writes attention.key_length/value_length when config.json has head_dim
+# (Gemma 4 writes its own; Phi-3's and Granite's converters never do).
+_KEY_LENGTH_ARCHS = ("llama", "qwen3", "qwen3moe", "qwen2", "smollm3", "olmo2", "mistral3", "gemma2",
+                     "gpt-oss")
+
+
+def _write_new_family_metadata(w: gguf.GGUFWriter, shape: Shape) -> None:
+    """The keys of the families added after generator version 1 (docs/families.md §7-§14)."""
+    arch = shape.architecture
+    if arch == "phi3":
+        w.add_rope_dimension_count(shape.rope_dim)
+        w.add_sliding_window(shape.sliding_window)  # read, then switched off by llama.cpp
+        if shape.original_context:
+            w.add_rope_scaling_orig_ctx_len(shape.original_context)
+        if shape.long_factors:  # the converter's attention factor: sqrt(1 + ln s / ln L0)
+            scale = shape.context_length / shape.original_context
+            factor = math.sqrt(1 + math.log(scale) / math.log(shape.original_context)) if scale > 1 else 1.0
+            w.add_rope_scaling_attn_factors(factor)
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(shape.attn_softcap)
+        w.add_final_logit_softcapping(shape.softcap)
+        w.add_sliding_window(shape.sliding_window)
+    if arch == "gpt-oss":
+        w.add_sliding_window(shape.sliding_window)
+    if arch == "granite":  # each only when non-zero, as the converter
+        for add, value in ((w.add_attention_scale, shape.attention_scale),
+                           (w.add_embedding_scale, shape.embedding_scale),
+                           (w.add_residual_scale, shape.residual_scale),
+                           (w.add_logit_scale, shape.logit_scale)):
+            if value:
+                add(value)
+    if shape.rope_scaling_factor:  # YaRN (gpt-oss, mistral3)
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(shape.rope_scaling_factor)
+        w.add_rope_scaling_orig_ctx_len(shape.original_context)
+        if shape.yarn_betas is not None:
+            w.add_rope_scaling_yarn_beta_fast(shape.yarn_betas[0])
+            w.add_rope_scaling_yarn_beta_slow(shape.yarn_betas[1])
+    if arch == "mistral3":
+        w.add_rope_scaling_yarn_log_mul(shape.yarn_log_multiplier)
+        w.add_attn_temperature_scale(shape.temperature_scale)
+
+
 def _write_metadata(writer: gguf.GGUFWriter, shape: Shape, seed: int) -> None:
     w, L = writer, shape.layer_count
     w.add_type(gguf.GGUFType.MODEL)
@@ -526,13 +782,15 @@ def _write_metadata(writer: gguf.GGUFWriter, shape: Shape, seed: int) -> None:
         w.add_head_count_kv([shape.layer_kv_heads(i) for i in range(L)])
     else:
         w.add_head_count_kv(shape.head_count_kv)
-    w.add_rope_freq_base(shape.rope_base)
+    arch = shape.architecture
+    if arch != "gemma2":  # Gemma 2's converter writes no rope base (llama.cpp: 10000)
+        w.add_rope_freq_base(shape.rope_base)
     w.add_layer_norm_rms_eps(shape.rms_eps)
     w.add_file_type(int(gguf.LlamaFileType.MOSTLY_Q4_K_M))
-    if shape.architecture == "llama":
+    if arch in ("llama", "granite", "smollm3", "mistral3"):  # the converter's LlamaModel
         w.add_vocab_size(shape.vocab_size)
         w.add_rope_dimension_count(shape.head_dim)
-    if shape.architecture in ("llama", "qwen3", "qwen3moe") and shape.config_has_head_dim:
+    if arch in _KEY_LENGTH_ARCHS and shape.config_has_head_dim:
         w.add_key_length(shape.head_dim)
         w.add_value_length(shape.head_dim)
     if shape.experts:
@@ -552,6 +810,7 @@ def _write_metadata(writer: gguf.GGUFWriter, shape: Shape, seed: int) -> None:
         w.add_rope_dimension_count(shape.head_dim_full)
         w.add_rope_dimension_count_swa(shape.head_dim)
         w.add_rope_freq_base_swa(shape.rope_base_swa)
+    _write_new_family_metadata(w, shape)
     for key, value in vocabulary(shape).items():
         vtype, sub_type = _VOCAB_KEYS[key]
         if vtype == V.ARRAY and not value:
@@ -564,9 +823,19 @@ def _write_metadata(writer: gguf.GGUFWriter, shape: Shape, seed: int) -> None:
 # Files.
 
 
+# Shape fields added after generator version 1: at their defaults they change no byte, so they stay out of
+# the digest (the files already written for the first shapes keep theirs).
+_LATER_FIELDS = ("attn_softcap", "original_context", "long_factors", "short_factors", "rope_scaling_factor",
+                 "yarn_betas", "yarn_log_multiplier", "temperature_scale", "embedding_scale",
+                 "residual_scale", "attention_scale", "logit_scale", "expert_qtype")
+
+
 def spec_digest(shape: Shape, seed: int) -> str:
     """What the file's bytes depend on: generator version, shape, seed."""
-    text = json.dumps([GENERATOR_VERSION, dataclasses.asdict(shape), seed], sort_keys=True)
+    defaults = {f.name: f.default for f in dataclasses.fields(Shape)}
+    spec = {key: value for key, value in dataclasses.asdict(shape).items()
+            if key not in _LATER_FIELDS or value != defaults[key]}
+    text = json.dumps([GENERATOR_VERSION, spec, seed], sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
