@@ -30,7 +30,7 @@ TITLES = {"smollm2-135m": "SmolLM2-135M Q4_1", "gemma3-270m": "Gemma 3 270M Q4_K
           "gemma-4-e2b": "Gemma-4-E2B", "llama-3.1-8b": "Llama-3.1-8B"}
 # One synthetic shape of a real model per family ember runs beyond the ladder's (issue 30), smallest first:
 # `python -m benchmarks.bench --model families` runs them all against llama.cpp in one run, as rows of the
-# same tables and figure. No targets yet: none has been measured.
+# same tables and figure, judged by issue 30's targets (FAMILY_TARGETS).
 FAMILIES = ("granite-3.3-2b", "smollm3-3b", "ministral-3-3b", "phi-4-mini", "olmo-2-7b", "qwen2.5-7b",
             "gemma-2-9b", "gpt-oss-20b")
 TITLES |= {"granite-3.3-2b": "Granite-3.3-2B", "smollm3-3b": "SmolLM3-3B", "ministral-3-3b": "Ministral-3-3B",
@@ -44,6 +44,11 @@ DECODE_RATIO = {"smollm2-135m": 0.6, "gemma3-270m": 0.6, "qwen3-0.6b": 0.5, "lla
                 "qwen3-4b": 0.5, "gemma-4-e2b": 0.4, "llama-3.1-8b": 0.4}
 PREFILL_RATIO = {"smollm2-135m": {"512": 1.5}, "llama-3.2-1b": {"128": 0.8, "512": 0.8}}
 WARM_LOAD_SECONDS = {"smollm2-135m": 1.0, "llama-3.1-8b": 5.0}
+# Issue 30 for every later family's shape; issue 26 for the two MoE shapes (`--model qwen3-30b-a3b`).
+FAMILY_TARGETS = {"peak_rss": 1.1, "decode": 0.5, "prefill_128": 0.8}
+MOE_TARGETS = {"peak_rss": 1.1, "decode": 0.5, "prefill_128": 0.7, "warm_load": 2.0}
+OWN_TARGETS = {model: FAMILY_TARGETS for model in FAMILIES} | {"qwen3-30b-a3b": MOE_TARGETS,
+                                                              "gemma-4-26b-a4b": MOE_TARGETS}
 
 
 def ember_engine(engines: list[str]) -> str | None:
@@ -66,6 +71,15 @@ def target_checks(model: str, report: dict[str, Any]) -> list[dict[str, Any]]:
         checks.append({"model": model, "engine": ours_name, "check": what, "value": value,
                        "target": f"{'>=' if at_least else '<='} {bound:g}", "pass": passed})
 
+    own = OWN_TARGETS.get(model)
+    if own is not None:
+        add("peak RSS / llama.cpp", ratios.get("peak_rss_mib"), own["peak_rss"], at_least=False)
+        add("decode / llama.cpp", ratios.get("decode_tokens_per_second"), own["decode"], at_least=True)
+        add("prefill 128 / llama.cpp", ratios.get("prefill_tokens_per_second", {}).get("128"),
+            own["prefill_128"], at_least=True)
+        if "warm_load" in own:
+            add("warm load (s)", ours.get("warm_load_seconds"), own["warm_load"], at_least=False)
+        return checks
     add("peak RSS / llama.cpp", ratios.get("peak_rss_mib"), RSS_RATIO, at_least=False)
     if model in DECODE_RATIO:
         add("decode / llama.cpp", ratios.get("decode_tokens_per_second"), DECODE_RATIO[model], at_least=True)
@@ -113,7 +127,8 @@ def render(ladder: dict[str, Any], figure_path: Path | None) -> None:
 
 def print_targets(ladder: dict[str, Any]) -> None:
     rows = [check for report in ladder["models"].values() for check in report.get("targets", [])]
-    print(f"issue 11 targets ({rows[0]['engine'] if rows else 'ember'} / llama.cpp, same run, medians)")
+    engine = rows[0]["engine"] if rows else "ember"
+    print(f"targets of issues 11 (ladder), 26 (MoE), 30 (families): {engine} / llama.cpp, same run, medians")
     print(f"{'model':16}{'check':28}{'value':>10}{'target':>10}  result")
     for row in rows:
         value = row["value"]
