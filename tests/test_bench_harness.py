@@ -102,3 +102,19 @@ def test_targets_pass_and_fail_from_the_ratios() -> None:
     assert checks["peak RSS / llama.cpp"]["pass"] is False
     assert checks["decode / llama.cpp"]["pass"] is False
     assert checks["prefill 512 / llama.cpp"]["pass"] is None  # not measured
+
+
+def test_moe_targets_judge_the_llama_cpp_variant_measured() -> None:
+    # the MoE shapes run against `llama.cpp:no-repack` (its repacked copies do not fit 24 GB); their
+    # targets are judged against it, and a single run's report prints them (benchmarks.ladder)
+    report = _report({"rss": 100, "decode": 10, "p128": 30, "warm": 1.5},
+                     {"rss": 120, "decode": 16, "p128": 50, "warm": 3.0})
+    report["engines"]["llama.cpp:no-repack"] = report["engines"].pop("llama.cpp")
+    report["ratios"] = bench.ratios(report["engines"], [128, 512])
+    assert list(report["ratios"]) == ["ember/llama.cpp:no-repack"]
+    checks = {c["check"]: c for c in ladder.target_checks("qwen3-30b-a3b", report)}
+    assert checks["decode / llama.cpp"]["pass"] is True  # 0.625 >= 0.5
+    assert checks["prefill 128 / llama.cpp"]["pass"] is False  # 0.6 < 0.7
+    assert checks["peak RSS / llama.cpp"]["pass"] is True
+    assert checks["warm load (s)"]["pass"] is True
+    assert ladder.has_targets("granite-3.3-2b") and not ladder.has_targets("my-own.gguf")
