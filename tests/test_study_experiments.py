@@ -94,6 +94,12 @@ def test_logit_lens_last_layer_is_the_models_prediction(smollm2):
     assert [r["token"] for r in top][0] == " Paris" and len(top) == 3
     assert results.arrays["item0_target_probs"].shape == (layers, len(item.token_ids))
     assert "item0_layers_by_positions" in results.figures
+    # the page: a table per mapped item, the last layer's row on top, its last cell the model's top token
+    page = results.file_builders["logit_lens.html"]().decode("utf-8")
+    first_row = page.split("<tbody><tr><th>")[1].split("</tr>")[0]
+    assert first_row.startswith(f"{layers - 1}</th>") and first_row.count("<td") == len(item.token_ids)
+    assert first_row.rsplit("<td", 1)[1].endswith("> Paris</td>")
+    assert page.count("<table>") == 1
 
 
 def test_logit_lens_items_batched_equal_one_at_a_time(smollm2):

@@ -16,8 +16,8 @@ than one product per layer and item (SmolLM2, 1 thread, CPU time: one row 28 ms,
 
 Series (step = layer): `target_prob`, `target_rank`, `target_logit`, `kl_to_final`. Figures: for the first
 `figure_items` items, a layers x positions map of the probability each layer gives the token that
-position predicts (the next prompt token, the target at the last position), with each layer's top
-token written in the cell.
+position predicts (the next prompt token, the target at the last position); `logit_lens.html` shows the
+same maps as tables with each layer's top token written in its cell (`ember.experiments.lens_view`).
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from ember.experiments.context import (
 )
 from ember.experiments.failure import ExperimentError
 from ember.experiments.labels import shorten, token_label
+from ember.experiments.lens_view import lens_html
 from ember.experiments.readout import log_softmax
 from ember.experiments.results import ExperimentResult
 from ember.experiments.study import Evaluation, ItemResult, StudyItem
@@ -186,8 +187,12 @@ class LogitLens(Experiment):
     def results(self) -> ExperimentResult:
         arrays = {f"item{m['item']}_target_probs": m["probs"] for m in self._maps}
         builders = {f"item{m['item']}_layers_by_positions": (lambda m=m: _map_figure(m)) for m in self._maps}
+        files = {"logit_lens.html": self._html} if self._maps else {}
         return ExperimentResult(tables={"top_tokens": self._top_rows}, arrays=arrays,
-                                figure_builders=builders)
+                                figure_builders=builders, file_builders=files)
+
+    def _html(self) -> bytes:
+        return lens_html(self._maps, title=f"logit lens ({self._model})").encode("utf-8")
 
 
 # Up to this k the top tokens are taken by k arg-max passes, above it by a partition. SmolLM2 (30 layers x
@@ -225,28 +230,28 @@ def _first_layer_where(hits: np.ndarray, layers: Sequence[int]) -> int:
 
 
 def _map_figure(entry: dict[str, Any]) -> Figure:
+    """The map as a heatmap. Each layer's top token per cell is in `logit_lens.html`: drawn here as 372
+    matplotlib texts (SmolLM2, 30 layers x 12 positions) it cost about 0.3 s of a 50-item study's 0.49 s
+    of overhead, against 2.6 s of engine time (2-core EPYC, benchmarks/README.md)."""
     from matplotlib.figure import Figure
 
-    probs, tops = entry["probs"], entry["tops"]
+    probs = entry["probs"]
     layers, positions = probs.shape
-    width, height = max(6, 1.1 * positions + 2), max(4, 0.28 * layers + 1.5)
-    # Fixed margins in inches instead of a constrained layout, which draws every cell text once more to
-    # measure it (372 texts on SmolLM2: 0.85 s of CPU against 0.55 s with these margins, loaded Xeon).
+    width, height = max(6, 0.5 * positions + 2), max(4, 0.16 * layers + 1.5)
+    # Fixed margins in inches instead of a constrained layout, which draws every text once more to measure
+    # it.
     left, right, bottom, top, bar = 0.65, 1.15, 0.8, 0.65, 0.18
     figure = Figure(figsize=(width, height))
     tall = 1 - (bottom + top) / height
     ax = figure.add_axes((left / width, bottom / height, 1 - (left + right) / width, tall))
     cax = figure.add_axes((1 - (right - 0.15) / width, bottom / height, bar / width, tall))
-    image = ax.imshow(probs, aspect="auto", origin="lower", cmap="viridis", vmin=0.0, vmax=1.0)
+    image = ax.imshow(probs, aspect="auto", origin="lower", cmap="viridis", vmin=0.0, vmax=1.0,
+                      interpolation="nearest")
     figure.colorbar(image, cax=cax, label="probability of the predicted token")
-    if positions <= 24:
-        for layer in range(layers):
-            for position in range(positions):
-                text = shorten(repr(str(tops[layer, position]))[1:-1], 10)
-                ax.text(position, layer, text, ha="center", va="center",
-                        fontsize=6, color="white" if probs[layer, position] < 0.5 else "black")
-    ax.set_xticks(range(positions), [token_label(i, t) for i, t in enumerate(entry["inputs"])], fontsize=7)
-    ax.set_xlabel("position (input token); cells: the layer's top token")
+    if positions <= 48:
+        ax.set_xticks(range(positions), [token_label(i, t) for i, t in enumerate(entry["inputs"])],
+                      fontsize=7, rotation=90 if positions > 12 else 0)
+    ax.set_xlabel("position (input token); each cell's top token: logit_lens.html")
     ax.set_ylabel("layer")
     ax.set_title(f"logit lens, item {entry['item']}: {shorten(repr(entry.get('text', '')), 60)}\n"
                  f"{entry.get('model', '')}", fontsize=10)

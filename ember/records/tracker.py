@@ -50,6 +50,8 @@ EXPERIMENT_TAGS = {"mlflow.experimentKind": "custom_model_development"}
 
 # The UI's Source column: what made the run (the Hydra runner; the `ember` command sets its own name).
 SOURCE_TAGS = {"mlflow.source.name": "ember.run", "mlflow.source.type": "LOCAL"}
+# A JSON artifact up to this many characters (compact) is written indented (`Tracker.log_json`).
+INDENTED_JSON_UP_TO = 100_000
 
 
 class Tracker:
@@ -190,7 +192,13 @@ class Tracker:
         self._artifact(run_id, artifact_file, lambda path: path.write_text(text, encoding="utf-8"))
 
     def log_json(self, run_id: str, value: Any, artifact_file: str) -> None:
-        self.log_text(run_id, json.dumps(value, indent=2, default=json_default), artifact_file)
+        """Indented for reading when short; a long value (an experiment's table of thousands of rows)
+        stays compact: json indents in Python, 0.035 s for the logit lens's 7,500-row table against
+        0.012 s compact (Xeon)."""
+        text = json.dumps(value, default=json_default)
+        if len(text) <= INDENTED_JSON_UP_TO:
+            text = json.dumps(value, indent=2, default=json_default)
+        self.log_text(run_id, text, artifact_file)
 
     def log_bytes(self, run_id: str, data: bytes, artifact_file: str) -> None:
         self._artifact(run_id, artifact_file, lambda path: path.write_bytes(data))
