@@ -199,3 +199,18 @@ def test_mxfp4_decodes_every_exponent_and_code_like_gguf_py():
     reference = x.astype(np.float64) @ gguf.quants.dequantize(finite, Q.MXFP4).astype(np.float64).T
     got = QuantizedMatrix("w", finite, int(Q.MXFP4), (8, 256)).matmul(x, np.zeros((1, 8), np.float32))
     assert np.abs(got - reference).max() <= 2e-6 * np.abs(reference).max()
+
+
+def test_few_rows_products_of_every_count_and_a_ragged_width():
+    # `kernels.matmul_rows` multiplies two weight rows by four rows of x at a time in 16-lane blocks:
+    # every count of x's rows up to 9 (whole blocks and the last 1-3), an odd number of weight rows
+    # (the last one alone) and a width that is not a multiple of 16 (F16: its last columns one by one).
+    for qtype, rows, columns in ((Q.F16, 13, 40), (Q.Q4_K, 11, 512), (Q.Q8_0, 7, 96)):
+        data = random_encoded(qtype, rows, columns)
+        matrix = QuantizedMatrix("w", data, int(qtype), (rows, columns))
+        exact = reference_values(qtype, data).astype(np.float64)
+        for tokens in range(2, 10):
+            x = RNG.standard_normal((tokens, columns)).astype(np.float32)
+            got = matrix.matmul(x, np.full((tokens, rows), np.nan, np.float32))
+            reference = x.astype(np.float64) @ exact.T
+            assert np.abs(got - reference).max() <= 2e-6 * np.abs(reference).max(), (qtype, tokens)

@@ -569,6 +569,70 @@ def _tile_block(rows: int, vectors: int):
     return tile_block
 
 
+def _dot_block(rows: int, tokens: int):
+    """The register block of the few-rows product (`kernels.matmul_rows`): `rows` decoded weight rows
+    against `tokens` rows of x over the same columns, rows·tokens accumulators of 16 lanes kept in
+    registers, each weight and x vector loaded once a step. Written here because numba's loops come out
+    in 256-bit vectors (LLVM prefers them on these CPUs): 2 × 4 with 512-bit lanes ran at 2-3× their
+    multiply-adds a second (`kernels.matmul_rows`)."""
+
+    @intrinsic
+    def dot_block(typingctx, sums, a0, a1, b, b_at, b_stride, steps):
+        signature = types.void(sums, a0, a1, b, b_at, b_stride, steps)
+
+        def codegen(context, builder, sig, args):
+            sums_v, a0_v, a1_v, b_v, b_at_v, b_stride_v, steps_v = _canonical(context, builder, sig, args)
+            sums_data = context.make_array(sig.args[0])(context, builder, sums_v).data
+            a_data = [context.make_array(sig.args[1 + r])(context, builder, value).data
+                      for r, value in enumerate((a0_v, a1_v)[:rows])]
+            b_data = context.make_array(sig.args[3])(context, builder, b_v).data
+            vector = _vector(_F32)
+            accumulators = [[cgutils.alloca_once(builder, vector) for _ in range(tokens)]
+                            for _ in range(rows)]
+            for row in accumulators:
+                for accumulator in row:
+                    builder.store(ir.Constant(vector, [0.0] * LANES), accumulator)
+            b_rows = [builder.add(b_at_v, builder.mul(_i64(t), b_stride_v)) for t in range(tokens)]
+
+            def lanes(data, at):
+                return builder.load(builder.bitcast(builder.gep(data, [at]), vector.as_pointer()), align=4)
+
+            with cgutils.for_range(builder, steps_v) as loop:
+                column = builder.mul(loop.index, _i64(LANES))
+                weights = [lanes(data, column) for data in a_data]
+                xs = [lanes(b_data, builder.add(at, column)) for at in b_rows]
+                for r in range(rows):
+                    for t in range(tokens):
+                        total = builder.load(accumulators[r][t])
+                        product = builder.fmul(weights[r], xs[t], flags=["fast"])
+                        builder.store(builder.fadd(total, product, flags=["fast"]), accumulators[r][t])
+            for r in range(rows):
+                for t in range(tokens):
+                    total = builder.load(accumulators[r][t])
+                    width = LANES
+                    while width > 1:  # halves added pairwise: 16 → 8 → 4 → 2 → 1 lanes
+                        width //= 2
+                        low = _shuffle(builder, total, list(range(width)))
+                        high = _shuffle(builder, total, list(range(width, 2 * width)))
+                        total = builder.fadd(low, high, flags=["fast"])
+                    value = builder.extract_element(total, ir.Constant(_I32, 0))
+                    builder.store(value, builder.gep(sums_data, [_i64(r * tokens + t)]))
+            return context.get_dummy_value()
+
+        return signature, codegen
+
+    dot_block.__doc__ = (f"sums[r·{tokens} + t] = Σ_k a_r[k] · b[b_at + t·b_stride + k] for r < {rows} "
+                         f"(a0{', a1' if rows == 2 else ''}), t < {tokens}, k < 16·steps (b a flat float32 "
+                         "array).")
+    return dot_block
+
+
+# dot_block_<rows>x<tokens>: two weight rows against four rows of x, and the smaller blocks for a part's
+# odd last row and the last 1-3 rows of x.
+dot_block_2x4, dot_block_2x3, dot_block_2x2, dot_block_2x1 = (_dot_block(2, t) for t in (4, 3, 2, 1))
+dot_block_1x4, dot_block_1x3, dot_block_1x2, dot_block_1x1 = (_dot_block(1, t) for t in (4, 3, 2, 1))
+
+
 # tile_block_<rows>x<vectors>: 6 rows a block, and 4 for the end of a tile whose rows are not a
 # multiple of 6; 4 vectors (64 tokens) a block, and 1 to 3 for the last tokens.
 tile_block_6x4, tile_block_6x3, tile_block_6x2, tile_block_6x1 = (_tile_block(6, v) for v in (4, 3, 2, 1))
