@@ -69,10 +69,10 @@ def ray_head(tmp_path_factory, server, worker_cache):
     The workers fetch models into a cache of their own, but load the quantized kernels numba compiled
     for this process (its JIT cache): compiling them again in a fresh cache costs each new worker
     minutes on two busy cores, and says nothing about a sweep."""
-    from ember.paths import ember_cache_dir
+    from ember.quant import jit_cache_dir
 
     folder = tmp_path_factory.mktemp("ray")
-    jit = os.environ.get("NUMBA_CACHE_DIR") or str(ember_cache_dir() / "jit")
+    jit = os.environ.get("NUMBA_CACHE_DIR") or str(jit_cache_dir())
     env = {"PYTHONPATH": JOB_PATH, "EMBER_CACHE": str(worker_cache), "NUMBA_CACHE_DIR": jit,
            **server.credentials()}
     with services.ray_head(2, folder, env=env) as head:

@@ -5,8 +5,10 @@ after that. Each check runs in a fresh process, whose dispatchers start with no 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -69,3 +71,31 @@ def test_llvm_pages_are_released_and_compiling_still_works(child_report):
     assert report["compiles after release"] == 41
 
 
+
+
+def test_the_kernel_cache_is_named_by_every_kernel_source(tmp_path):
+    # numba keys a cached kernel by its own file alone: an edit to simd.py or blocks.py must still name
+    # another cache folder, or the old machine code is loaded.
+    import shutil
+
+    import ember.quant as quant
+
+    sources = tmp_path / "quant"
+    shutil.copytree(Path(quant.__file__).parent, sources)
+    before = quant.jit_cache_dir(sources)
+    assert before == quant.jit_cache_dir()  # the same sources, the same folder
+    for name in quant.KERNEL_SOURCES:
+        original = (sources / name).read_bytes()
+        (sources / name).write_bytes(original + b"\n# changed\n")
+        assert quant.jit_cache_dir(sources) != before, name
+        (sources / name).write_bytes(original)
+    assert quant.jit_cache_dir(sources) == before
+
+
+def test_a_fresh_process_points_numba_at_that_folder(tmp_path):
+    code = ("import os, ember.quant as q; q.jit_unavailable(); "
+            "print(os.environ['NUMBA_CACHE_DIR'] == str(q.jit_cache_dir()))")
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**env, "EMBER_CACHE": str(tmp_path)})
+    assert done.stdout.strip() == "True", done.stderr

@@ -6,24 +6,41 @@
     matrix.py    QuantizedMatrix / StackedMatrix: matmul (decode and prefill), rows, dequantize
 
 numba compiles the kernels the first time they run and keeps the machine code in
-`<ember cache>/jit` (`NUMBA_CACHE_DIR`, unless already set), so later processes load them in a
-fraction of a second. Importing this package does not import numba; `jit_unavailable()` says whether
-it can be used.
+`<ember cache>/jit/<digest>` (`jit_cache_dir()`; `NUMBA_CACHE_DIR`, unless already set), so later
+processes load them in a fraction of a second. Importing this package does not import numba;
+`jit_unavailable()` says whether it can be used.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import cache
+from pathlib import Path
+
+# The files whose code numba compiles into the kernels. numba keys a cached kernel by its own file
+# (kernels.py, token_ops.py) alone: after a change to simd.py or blocks.py only, it loaded the old
+# machine code (seen 2026-12-06: an edited simd.py primitive was not in the kernels until the cache
+# was deleted). The cache folder is named by a digest of all of them instead.
+KERNEL_SOURCES = ("blocks.py", "jit.py", "kernels.py", "simd.py", "token_ops.py")
+
+
+def jit_cache_dir(sources: Path = Path(__file__).parent) -> Path:
+    """`<ember cache>/jit/<digest of the KERNEL_SOURCES in sources>`: where numba keeps these kernels'
+    machine code (hashing the ~150 KB of sources takes well under a millisecond)."""
+    from ember.paths import ember_cache_dir
+
+    digest = hashlib.sha256()
+    for name in KERNEL_SOURCES:
+        digest.update((sources / name).read_bytes())
+    return ember_cache_dir() / "jit" / digest.hexdigest()[:16]
 
 
 def _point_numba_cache() -> None:
     if "NUMBA_CACHE_DIR" not in os.environ:
-        from ember.paths import ember_cache_dir
-
-        os.environ["NUMBA_CACHE_DIR"] = str(ember_cache_dir() / "jit")
+        os.environ["NUMBA_CACHE_DIR"] = str(jit_cache_dir())
 
 
 @cache
