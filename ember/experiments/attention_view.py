@@ -11,12 +11,13 @@ Weights are written with 4 decimals (the JSON holds them to 5).
 
 from __future__ import annotations
 
-import html
 import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+
+from ember.html_page import html_page
 
 DECIMALS = 5  # of the weights in the page's JSON
 
@@ -191,15 +192,7 @@ def attention_html(items: Sequence[Mapping[str, Any]], heads: Sequence[tuple[int
     # JSON inside <script>: no "<", ">" or "&" that could end the element or start markup
     payload = json.dumps(data, separators=(",", ":"), ensure_ascii=False)
     payload = payload.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
-    return f"""<!doctype html>
-<html lang="en">
-<head>
-<meta charset="utf-8">
-<title>{html.escape(title)}</title>
-<style>{_STYLE}</style>
-</head>
-<body>
-<h1>{html.escape(title)}</h1>
+    return html_page(title, _STYLE, f"""\
 <label>item <select id="item"></select></label>
 <label>head <select id="head"></select></label>
 <label><input type="checkbox" id="scaled"> colours per row's largest weight</label>
@@ -211,7 +204,4 @@ answer's first token (IOI: the indirect object and the subject).</div>
 <div id="status"></div>
 <table id="heatmap"></table>
 <script id="data" type="application/json">{payload}</script>
-<script>{_SCRIPT}</script>
-</body>
-</html>
-"""
+<script>{_SCRIPT}</script>""")

@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from ember.html_page import html_page
+
 # matplotlib's viridis at 0, 1/16, …, 1 (the PNG map's colour map), interpolated linearly: within 6 of 255
 # of matplotlib's own colour everywhere (tests/test_lens_view.py)
 _STOPS = np.array([
@@ -81,20 +83,9 @@ def lens_html(entries: Sequence[Mapping[str, Any]], title: str = "logit lens") -
     layer gives the token its position predicts), `tops` [layers, positions] (top token texts),
     `inputs` and `predicted` (token texts per position)."""
     tables = "\n".join(_table(entry) for entry in entries) or "<p>no items</p>"
-    return f"""<!doctype html>
-<html lang="en">
-<head>
-<meta charset="utf-8">
-<title>{html.escape(title)}</title>
-<style>{_STYLE}</style>
-</head>
-<body>
-<h1>{html.escape(title)}</h1>
+    return html_page(title, _STYLE, f"""\
 <p class="hint">Each cell: the layer's top token at that position, read through the model's final norm
 and unembedding. Colour: the probability the layer gives the token that position predicts (the next
 prompt token; at the last position the item's target), 0 dark to 1 yellow; hover a cell for the value.
 The last layer's row is the model's own output.</p>
-{tables}
-</body>
-</html>
-"""
+{tables}""")

@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ember.html_page import html_page
 from ember.studies.figures import human_words
 
 # Beyond this many rows a table shows its first rows and says how many it left out (the JSON table
@@ -71,9 +72,7 @@ def interval_text(mean: float | None, low: float | None, high: float | None) -> 
 
 def render(page: ResultsPage) -> str:
     """The page as one HTML document."""
-    parts = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
-             f"<title>{_e(page.title)}</title><style>{_STYLE}</style></head><body>",
-             f"<h1>{_e(page.title)}</h1>"]
+    parts = []
     if page.intro:
         parts.append(f'<p class="note">{_e(page.intro)}</p>')
     parts.append('<table class="facts">')
@@ -91,8 +90,7 @@ def render(page: ResultsPage) -> str:
         parts.append(_table(table))
     if page.config:
         parts.append(f"<h2>Config</h2><pre>{_e(page.config)}</pre>")
-    parts.append("</body></html>")
-    return "\n".join(parts)
+    return html_page(page.title, _STYLE, "\n".join(parts))
 
 
 def _table(table: Table) -> str:
