@@ -92,9 +92,11 @@ def test_the_kernel_cache_is_named_by_every_kernel_source(tmp_path):
     assert quant.jit_cache_dir(sources) == before
 
 
-def test_a_fresh_process_points_numba_at_that_folder(tmp_path):
-    code = ("import os, ember.quant as q; q.jit_unavailable(); "
-            "print(os.environ['NUMBA_CACHE_DIR'] == str(q.jit_cache_dir()))")
+@pytest.mark.parametrize("start", ["q.jit_unavailable()", "import numba, ember.quant.kernels as k"])
+def test_a_fresh_process_points_numba_at_that_folder(tmp_path, start):
+    # through load_model's check, and through importing the kernels directly (numba imported first)
+    code = (f"import os, ember.quant as q; {start}; from numba.core import config; "
+            "print(os.environ['NUMBA_CACHE_DIR'] == config.CACHE_DIR == str(q.jit_cache_dir()))")
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                           env={**env, "EMBER_CACHE": str(tmp_path)})

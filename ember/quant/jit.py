@@ -81,6 +81,21 @@ def numba_without_scipy_linalg() -> Iterator[None]:
             del sys.modules["scipy.linalg"]
 
 
+def _use_ember_cache() -> None:
+    """numba's cache in `ember.quant.jit_cache_dir()` (unless NUMBA_CACHE_DIR is set) for every import
+    of the kernels, not only `load_model`'s: a test or script importing `ember.quant.kernels` directly
+    used numba's own cache beside the sources, keyed by each kernel's own file, which after an edit to
+    simd.py alone loaded the old machine code (the stale code the digest-named folder prevents)."""
+    from ember.quant import _point_numba_cache
+
+    _point_numba_cache()
+    if "numba" in sys.modules:  # numba read its settings at its import: read them again
+        from numba.core import config
+
+        config.reload_config()
+
+
+_use_ember_cache()
 with numba_without_scipy_linalg():
     from numba import njit, types
     from numba.core import cgutils
