@@ -38,21 +38,13 @@ def jit_cache_dir(sources: Path = Path(__file__).parent) -> Path:
     return ember_cache_dir() / "jit" / digest.hexdigest()[:16]
 
 
-def _point_numba_cache() -> None:
-    if "NUMBA_CACHE_DIR" not in os.environ:
-        os.environ["NUMBA_CACHE_DIR"] = str(jit_cache_dir())
-
-
 @cache
 def jit_unavailable() -> str | None:
     """None when the kernels can run here; otherwise why not (one line, for the fallback notice)."""
     if os.environ.get("EMBER_DISABLE_JIT"):
         return "EMBER_DISABLE_JIT is set"
-    _point_numba_cache()
     try:
-        import numba  # noqa: F401
-
-        from ember.quant import kernels  # noqa: F401
+        from ember.quant import kernels  # noqa: F401  (numba through ember.quant.jit, its cache set there)
     except Exception as error:  # ImportError, or llvmlite failing to start on this platform
         return f"numba cannot be used here ({type(error).__name__}: {error})"
     return None

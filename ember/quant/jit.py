@@ -86,9 +86,11 @@ def _use_ember_cache() -> None:
     of the kernels, not only `load_model`'s: a test or script importing `ember.quant.kernels` directly
     used numba's own cache beside the sources, keyed by each kernel's own file, which after an edit to
     simd.py alone loaded the old machine code (the stale code the digest-named folder prevents)."""
-    from ember.quant import _point_numba_cache
+    from ember.quant import jit_cache_dir
 
-    _point_numba_cache()
+    if "NUMBA_CACHE_DIR" in os.environ:
+        return
+    os.environ["NUMBA_CACHE_DIR"] = str(jit_cache_dir())
     if "numba" in sys.modules:  # numba read its settings at its import: read them again
         from numba.core import config
 
