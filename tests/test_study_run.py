@@ -112,9 +112,12 @@ def test_per_layer_series_and_interventions(workdir):
     last = next(r for r in rows if r["metric"] == "logit_lens.target_prob" and r["step"] == 29)
     assert last["ci_low"] <= prob[29] <= last["ci_high"]
     paths = {a.path for a in client(workdir).list_artifacts(run.info.run_id, "study")}
-    assert "study/logit_lens.target_prob.png" in paths
+    assert "study/logit_lens.target_prob.svg" in paths
+    assert artifact_text(workdir, run, "study/logit_lens.target_prob.svg").startswith("<svg")
+    lens = {a.path for a in client(workdir).list_artifacts(run.info.run_id, "experiments/logit_lens")}
+    assert "experiments/logit_lens/item0_layers_by_positions.svg" in lens
     page = artifact_text(workdir, run, "results.html")
-    assert page.count("data:image/png;base64,") >= 2  # the study's curve and the lens map, embedded
+    assert page.count("data:image/svg+xml;base64,") >= 2  # the study's curve and the lens map, embedded
     assert main("data=capitals", "data.limit=3", "experiment=ablation", "layer=3",
                 "experiments.0.mode=mean", "max_new_tokens=2", "mlflow.experiment_name=t_ablate") == 0
     [run] = runs_of(workdir, "t_ablate")

@@ -11,6 +11,8 @@ import numpy as np
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
+    from ember.svg_figure import SvgFigure
+
 
 @dataclass(frozen=True, slots=True)
 class Metric:
@@ -26,7 +28,8 @@ class ExperimentResult:
     """Metrics by name and step, tables (name -> rows), arrays (name -> ndarray), figures and files.
 
     Figures are built lazily, on first access of `figures`, from the `figure_builders`, so nothing
-    imports matplotlib unless somebody asks for a figure. `file_builders`: artifacts of any other kind,
+    imports matplotlib unless somebody asks for a figure. A builder returns a matplotlib Figure (logged as
+    PNG) or an `ember.svg_figure.SvgFigure` (logged as SVG). `file_builders`: artifacts of any other kind,
     by file name (e.g. `patterns.npz`, `view.html`) -> a function giving the file's bytes, called when the
     result is recorded.
     """
@@ -34,13 +37,14 @@ class ExperimentResult:
     metrics: list[Metric] = field(default_factory=list)
     tables: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     arrays: dict[str, np.ndarray] = field(default_factory=dict)
-    figure_builders: dict[str, Callable[[], Figure]] = field(default_factory=dict, repr=False)
+    figure_builders: dict[str, Callable[[], Figure | SvgFigure]] = field(default_factory=dict, repr=False)
     file_builders: dict[str, Callable[[], bytes]] = field(default_factory=dict, repr=False)
-    _figures: dict[str, Figure] | None = field(default=None, init=False, repr=False, compare=False)
+    _figures: dict[str, Figure | SvgFigure] | None = field(default=None, init=False, repr=False,
+                                                           compare=False)
 
     @property
-    def figures(self) -> dict[str, Figure]:
-        """Name -> matplotlib Figure, built on first access."""
+    def figures(self) -> dict[str, Figure | SvgFigure]:
+        """Name -> figure (a matplotlib Figure, logged as PNG, or an `SvgFigure`), built on first access."""
         if self._figures is None:
             self._figures = {name: build() for name, build in self.figure_builders.items()}
         return self._figures

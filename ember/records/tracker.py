@@ -31,11 +31,13 @@ from ember.records.values import (
     chunks,
     clip,
     figure_png,
+    figure_suffix,
     json_cell,
     json_default,
     metric_key,
     table_csv,
 )
+from ember.svg_figure import SvgFigure
 
 log = logging.getLogger(__name__)
 
@@ -207,7 +209,12 @@ class Tracker:
         self._artifact(run_id, artifact_file, lambda path: np.save(path, np.asarray(array)))
 
     def log_figure(self, run_id: str, figure: Any, artifact_file: str) -> None:
-        if artifact_file.lower().endswith(".png"):  # rendered once, also for a results page
+        """A matplotlib figure as the file `artifact_file` names (PNG rendered once, also for a results
+        page); an SVG figure as SVG, its name's suffix made `.svg`."""
+        if isinstance(figure, SvgFigure):
+            name = str(Path(artifact_file).with_suffix(SvgFigure.suffix))
+            self._artifact(run_id, name, lambda path: path.write_bytes(figure.data()))
+        elif artifact_file.lower().endswith(".png"):  # rendered once, also for a results page
             self._artifact(run_id, artifact_file, lambda path: path.write_bytes(figure_png(figure)))
         else:
             self._artifact(run_id, artifact_file, lambda path: figure.savefig(path))
@@ -345,6 +352,6 @@ def log_experiment_result(tracker: Tracker, run_id: str, name: str, result: Any)
         tracker.log_array(run_id, array, f"{folder}/{array_name}.npy")
     if result.figure_builders:
         for figure_name, figure in result.figures.items():
-            tracker.log_figure(run_id, figure, f"{folder}/{figure_name}.png")
+            tracker.log_figure(run_id, figure, f"{folder}/{figure_name}{figure_suffix(figure)}")
     for file_name, build in result.file_builders.items():
         tracker.log_bytes(run_id, build(), f"{folder}/{file_name}")

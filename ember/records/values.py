@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from ember.svg_figure import SvgFigure
+
 MAX_PARAM_LENGTH = 6000
 MAX_TAG_LENGTH = 8000
 MAX_RUN_NAME_LENGTH = 250
@@ -71,6 +73,20 @@ def table_csv(rows: Sequence[Mapping[str, Any]]) -> str:
 # PNG bytes of figures already rendered, by figure and dpi: a study's figure goes into its run and into its
 # results page, and rendering one costs 0.3-1 s (matplotlib's Agg, 2-core machine, quiet to loaded).
 _RENDERED: weakref.WeakKeyDictionary[Any, dict[float, bytes]] = weakref.WeakKeyDictionary()
+
+
+def figure_suffix(figure: Any) -> str:
+    """`.svg` for a figure written as SVG text (`ember.svg_figure`), `.png` for a matplotlib figure."""
+    return SvgFigure.suffix if isinstance(figure, SvgFigure) else ".png"
+
+
+def figure_media_type(figure: Any) -> str:
+    return SvgFigure.media_type if isinstance(figure, SvgFigure) else "image/png"
+
+
+def figure_data(figure: Any, dpi: float | None = None) -> bytes:
+    """The figure's file: SVG text as it is, a matplotlib figure as PNG (`figure_png`)."""
+    return figure.data() if isinstance(figure, SvgFigure) else figure_png(figure, dpi)
 
 
 def figure_png(figure: Any, dpi: float | None = None) -> bytes:

@@ -35,6 +35,7 @@ from ember.experiments.readout import log_softmax
 from ember.experiments.runner import ExperimentRunner
 from ember.experiments.study import Evaluation, ItemResult, StudyItem
 from ember.records.tracker import experiment_folder
+from ember.records.values import figure_suffix
 from ember.rows import BatchEntry
 from ember.runconfig import build_experiments
 from ember.runs.checkpoint import Interval
@@ -42,8 +43,8 @@ from ember.runs.effect import LogitsRecorder, intervention_effect
 from ember.runs.prepare import may_write
 from ember.sampling import Sampler, SamplingSettings
 from ember.studies.aggregate import Aggregate, aggregate_columns
-from ember.studies.figures import INTERVAL_LABEL, human_label, png_bytes, series_figure
-from ember.studies.report import PageFigure, render, study_page, summary_columns
+from ember.studies.figures import INTERVAL_LABEL, human_label, page_figure, series_figure
+from ember.studies.report import render, study_page, summary_columns
 
 # The study's results page, at the top of the run's artifacts.
 RESULTS_PAGE = "results.html"
@@ -307,8 +308,9 @@ class Study:
                 figure = series_figure(name, steps, [aggregates[(name, s)] for s in steps],
                                        model=self.prepared.model_label, prompt_set=plan.prompt_set.name,
                                        n=len(self.rows))
-                recorder.log_figure(figure, f"study/{name}.png")
-                caption = (f"study/{name}.png: {human_label(name)} per layer, mean over {len(self.rows)} "
+                path = f"study/{name}{figure_suffix(figure)}"
+                recorder.log_figure(figure, path)
+                caption = (f"{path}: {human_label(name)} per layer, mean over {len(self.rows)} "
                            f"items with its {INTERVAL_LABEL}")
                 figures.append((caption, figure))
         results = {}
@@ -323,12 +325,12 @@ class Study:
             recorder.result(name, result)
         if recorder.recording:  # the page (its figures are the PNGs logged above, not drawn again)
             for name, result in results.items():
-                figures += [(f"{experiment_folder(name)}/{title}.png", figure)
+                figures += [(f"{experiment_folder(name)}/{title}{figure_suffix(figure)}", figure)
                             for title, figure in _figures_of(result).items()]
             page = study_page(model=self.prepared.model_label, prompt_set=plan.prompt_set.name,
                               digest=plan.prompt_set.digest, items=len(self.rows), run_id=recorder.run_id,
                               aggregates=aggregates, key=key, series=series,
-                              figures=[PageFigure(caption, png_bytes(figure)) for caption, figure in figures],
+                              figures=[page_figure(caption, figure) for caption, figure in figures],
                               item_columns=_columns(self.rows), config=_yaml(self.prepared.plain),
                               status="stopped early: " + str(failure) if failure is not None else "")
             recorder.log_text(render(page), RESULTS_PAGE)

@@ -15,6 +15,9 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
+    from ember.studies.report import PageFigure
+    from ember.svg_figure import SvgFigure
+
 INTERVAL_LABEL = "95% bootstrap CI of the mean"
 
 # What a recorded metric measures, in words (a name not listed here is shown as recorded).
@@ -71,32 +74,16 @@ def context_title(what: str, model: str = "", prompt_set: str = "", n: int | Non
 
 
 def series_figure(name: str, steps: Sequence[Any], aggregates: Sequence[Any], *, model: str = "",
-                  prompt_set: str = "", n: int | None = None, xlabel: str = "layer") -> Figure:
-    """Mean per step with its 95% bootstrap interval as a band (each aggregate has mean, ci_low, ci_high)."""
-    from matplotlib.figure import Figure
+                  prompt_set: str = "", n: int | None = None, xlabel: str = "layer") -> SvgFigure:
+    """Mean per step with its 95% bootstrap interval as a band (each aggregate has mean, ci_low, ci_high),
+    written as SVG (`ember.svg_figure`: a millisecond where matplotlib took 60-100 ms, every study draws
+    one per series)."""
+    from ember.svg_figure import band_figure
 
-    title = context_title(human_label(name), model, prompt_set, n)
-    figure = Figure(figsize=(7, 4.2))
-    ax = figure.add_axes(_fixed_margins(figure, title, axis_label(name)))
-    x = list(steps)
-    ax.fill_between(x, [a.ci_low for a in aggregates], [a.ci_high for a in aggregates], alpha=0.25,
-                    label=INTERVAL_LABEL)
-    ax.plot(x, [a.mean for a in aggregates], marker=".", label="mean over items")
-    _axes(ax, x, xlabel, name)
-    ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=8)
-    return figure
-
-
-def _fixed_margins(figure: Figure, title: str, ylabel: str) -> tuple[float, float, float, float]:
-    """The axes' box (left, bottom, width, height as fractions) with margins in inches from the lines of
-    the title and y label: a constrained layout measures every text by drawing it once more, 0.05 s of a
-    0.09 s series figure (2-core Xeon, quiet), which a study pays for each of its figures."""
-    width, height = figure.get_size_inches()
-    left = 0.6 + 0.16 * (ylabel.count("\n") + 1)  # tick labels, then the label's lines at 9 pt
-    top = 0.15 + 0.19 * (title.count("\n") + 1)  # the title's lines at 10 pt
-    right, bottom = 0.2, 0.55
-    return (left / width, bottom / height, 1 - (left + right) / width, 1 - (top + bottom) / height)
+    return band_figure(list(steps), [a.mean for a in aggregates], [a.ci_low for a in aggregates],
+                       [a.ci_high for a in aggregates],
+                       title=context_title(human_label(name), model, prompt_set, n), xlabel=xlabel,
+                       ylabel=axis_label(name), band_label=INTERVAL_LABEL, line_label="mean over items")
 
 
 def points_figure(name: str, labels: Sequence[str], x: Sequence[float] | None, means: Sequence[float],
@@ -136,12 +123,13 @@ def points_figure(name: str, labels: Sequence[str], x: Sequence[float] | None, m
     return figure
 
 
-def png_bytes(figure: Figure, dpi: int = 100) -> bytes:
-    """The figure as PNG (for a results page); the same bytes as its artifact when that was logged at
-    this dpi (the default figure's), rendered once."""
-    from ember.records.values import figure_png
+def page_figure(caption: str, figure: Figure | SvgFigure, dpi: int = 100) -> PageFigure:
+    """The figure for a results page: SVG as it is, a matplotlib figure as PNG (the same bytes as its
+    artifact when that was logged at this dpi, the default figure's: rendered once)."""
+    from ember.records.values import figure_data, figure_media_type
+    from ember.studies.report import PageFigure
 
-    return figure_png(figure, dpi)
+    return PageFigure(caption, figure_data(figure, dpi), figure_media_type(figure))
 
 
 def _axes(ax: Axes, x: Sequence[float] | None, xlabel: str, name: str) -> None:

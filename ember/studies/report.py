@@ -1,5 +1,5 @@
 """One self-contained results page (HTML) of a study run or a sweep: what a researcher pastes into a lab
-notebook. The facts (model, prompt set, n, ...), the key figures embedded as base64 PNG, the summary
+notebook. The facts (model, prompt set, n, ...), the key figures embedded (base64 SVG or PNG), the summary
 table with 95% intervals, the per-item (or per-job) table and the config. No external URL, no script:
 the page reads the same from a file, a mail or MLflow's artifact view. Plain data in, text out."""
 
@@ -39,7 +39,8 @@ pre { background: #f6f6f6; padding: 0.7em; overflow-x: auto; font-size: 0.82em; 
 @dataclass(slots=True)
 class PageFigure:
     caption: str
-    png: bytes
+    data: bytes
+    media_type: str = "image/png"  # or "image/svg+xml"
 
 
 @dataclass(slots=True)
@@ -83,8 +84,9 @@ def render(page: ResultsPage) -> str:
     if page.figures:
         parts.append("<h2>Figures</h2>")
         for figure in page.figures:
-            data = base64.b64encode(figure.png).decode("ascii")
-            parts.append(f'<figure><img alt="{_e(figure.caption)}" src="data:image/png;base64,{data}">'
+            data = base64.b64encode(figure.data).decode("ascii")
+            source = f"data:{figure.media_type};base64,{data}"
+            parts.append(f'<figure><img alt="{_e(figure.caption)}" src="{source}">'
                          f"<figcaption>{_e(figure.caption)}</figcaption></figure>")
     for table in page.tables[1:]:
         parts.append(_table(table))

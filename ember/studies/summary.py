@@ -25,7 +25,8 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from ember.studies.figures import context_title, human_label, png_bytes, points_figure
+from ember.studies.figures import context_title, human_label, page_figure, points_figure
+from ember.studies.report import PageFigure
 
 FALLBACK_KEYS = ("effect.kl_mean", "effect.top1_agreement")
 
@@ -97,7 +98,7 @@ def summarize_sweep(records: Any, experiment_id: str, parent_run_id: str) -> dic
     by_job = {row["job"]: row for row in rows}
     metrics: list[tuple[str, float, int]] = []
     figures: list[str] = []
-    pngs = []
+    pngs = []  # the results page's figures
     for metric, found in points.items():
         if not found:
             continue
@@ -112,7 +113,7 @@ def summarize_sweep(records: Any, experiment_id: str, parent_run_id: str) -> dic
                                best=best if metric == "objective" else None)
         records.log_figure(parent_run_id, figure, f"sweep/{metric}.png")
         figures.append(metric)
-        pngs.append((f"sweep/{metric}.png: {what}", png_bytes(figure)))
+        pngs.append(page_figure(f"sweep/{metric}.png: {what}", figure))
         # the step is the swept value where it is an integer (a layer), else the job number
         integer_x = xs is not None and x_name is not None and all(float(x).is_integer() for x in xs)
         axis = f"by_{_metric_word(x_name)}" if integer_x and x_name is not None else "by_job"
@@ -193,9 +194,9 @@ def _intervals(client: Any, run: Any) -> dict[tuple[str, int], tuple[float | Non
 
 
 def _log_page(records: Any, parent: Any, children: Sequence[Any], rows: Sequence[dict[str, Any]],
-              swept: Sequence[str], key_metrics: Sequence[str], pngs: Sequence[tuple[str, bytes]],
+              swept: Sequence[str], key_metrics: Sequence[str], pngs: Sequence[PageFigure],
               context: tuple[str, str, int | None]) -> None:
-    from ember.studies.report import PageFigure, ResultsPage, Table, interval_text, render
+    from ember.studies.report import ResultsPage, Table, interval_text, render
 
     model, prompt_set, n = context
     tags = parent.data.tags
@@ -221,7 +222,7 @@ def _log_page(records: Any, parent: Any, children: Sequence[Any], rows: Sequence
             "interval (a per-layer series at its largest-magnitude step); also sweep/summary.json")
     config = "\n".join(f"{k}: {v}" for k, v in sorted(parent.data.params.items()))
     page = ResultsPage(f"Sweep: {parent.info.run_name}", facts,
-                       [PageFigure(caption, png) for caption, png in pngs],
+                       list(pngs),
                        [Table("Jobs", table, note)], config)
     records.log_text(parent.info.run_id, render(page), "results.html")
 
