@@ -214,3 +214,28 @@ def test_few_rows_products_of_every_count_and_a_ragged_width():
             got = matrix.matmul(x, np.full((tokens, rows), np.nan, np.float32))
             reference = x.astype(np.float64) @ exact.T
             assert np.abs(got - reference).max() <= 2e-6 * np.abs(reference).max(), (qtype, tokens)
+
+
+@pytest.mark.parametrize("lanes", [8, 16])
+def test_the_few_rows_register_block_in_either_lane_width(lanes):
+    # `simd.DOT_LANES` picks 16 lanes with AVX-512 and 8 without; this CPU compiles only one of them
+    # into the kernels, so both widths are checked here on their own, every block shape.
+    from ember.quant import simd
+    from ember.quant.jit import njit
+
+    columns, steps = 80, 5
+    a0, a1 = RNG.standard_normal((2, columns)).astype(np.float32)
+    b = RNG.standard_normal(6 * columns).astype(np.float32)
+    for rows in (1, 2):
+        for tokens in (1, 2, 3, 4):
+            block = simd._dot_block(rows, tokens, lanes)
+
+            @njit
+            def run(sums, a0, a1, b, block=block):
+                block(sums, a0, a1, b, columns, columns, steps)
+
+            sums = np.full(8, np.nan, np.float32)
+            run(sums, a0, a1, b)
+            x = b[columns:].reshape(5, columns)[:tokens].astype(np.float64)
+            expected = np.stack([a0, a1][:rows]).astype(np.float64) @ x.T  # [rows, tokens]
+            assert np.allclose(sums[:rows * tokens], expected.ravel(), rtol=1e-5, atol=1e-5), (rows, tokens)

@@ -33,7 +33,7 @@ import numpy as np
 from ember import parallel
 from ember.buffers import aligned_empty
 from ember.ops import linear
-from ember.quant import kernels
+from ember.quant import kernels, simd
 
 # A prefill tile holds at most TILE_VALUES weights (8 MB as float32: each thread's scratch) and, where W
 # has the rows, at least MIN_TILE_ROWS rows (BLAS is slow on narrow products), and W is cut into at
@@ -59,23 +59,20 @@ SMALL_BATCH_AVX512 = 48
 TRANSPOSED_BELOW_AVX512 = 512
 
 
-def has_avx512() -> bool:
-    """Whether this CPU has AVX-512 (Linux's /proc/cpuinfo flags; False where it cannot be read)."""
-    try:
-        with open("/proc/cpuinfo") as info:
-            return any(line.startswith("flags") and " avx512f" in line for line in info)
-    except OSError:
-        return False
-
-
 # `kernels.tile_product` keeps 24 accumulators in registers: AVX-512 has 32, AVX2 only 16, so without
 # AVX-512 it spills and loses to OpenBLAS. Measured on an AMD EPYC with AVX2 (2 threads, SmolLM2's
 # matrices, 2026-12-03): tile_product 20-26 GFLOP/s against OpenBLAS 46-70 at 64-480 rows (the LM head
 # 24 vs 62 at 240); `matmul_rows` against tiles + OpenBLAS at 4/8/16/32/47 rows, qkv 244/542/595/739/
-# 1289 µs vs 720/799/969/1020/1114, gate_up 776/831/1396/2221/2735 vs 1135/864/1021/1231/1830. So there:
-# rows from 16 on go to tiles, and every tile to OpenBLAS.
-AVX512 = has_avx512()
-SMALL_BATCH = SMALL_BATCH_AVX512 if AVX512 else 16
+# 1289 µs vs 720/799/969/1020/1114, gate_up 776/831/1396/2221/2735 vs 1135/864/1021/1231/1830. So there
+# every tile goes to OpenBLAS. With `matmul_rows` in 8 lanes there (`simd.DOT_LANES`; Zen 3 EPYC,
+# 2026-12-07, 2 threads, best of 200, µs row by row / tiles) qkv at 16/24/32/48 rows 330/461/475/633 vs
+# 523/552/569/607, gate_up 844/1311/1383/1793 vs 1191/1158/1455/1478, ffn_down 424/644/708/1085 vs
+# 562/675/778/974; prompt tokens/s (A/B alternating in one process, medians of 5, 1 / 2 threads) at 16
+# tokens 103 / 105 with rows from 16 on in tiles, 120 / 125 from 32 on; at 31 tokens 129 / 164 and
+# 150 / 180. So rows from 32 on go to tiles.
+SMALL_BATCH_AVX2 = 32
+AVX512 = simd.AVX512
+SMALL_BATCH = SMALL_BATCH_AVX512 if AVX512 else SMALL_BATCH_AVX2
 TRANSPOSED_BELOW = TRANSPOSED_BELOW_AVX512 if AVX512 else 0
 # Decode and short prompts share a product's rows among the threads in pieces of about PIECE_VALUES
 # weights (times the activation rows), each taken by the next thread to finish one (`kernels.matvec`):

@@ -24,6 +24,25 @@ from llvmlite import ir
 from ember.quant.jit import cgutils, intrinsic, types
 
 LANES = 16
+
+
+def has_avx512() -> bool:
+    """Whether this CPU has AVX-512 (Linux's /proc/cpuinfo flags; False where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            return any(line.startswith("flags") and " avx512f" in line for line in info)
+    except OSError:
+        return False
+
+
+AVX512 = has_avx512()
+# The lanes of the few-rows product's register block (`_dot_block`): 2 weight rows × 4 rows of x are 8
+# accumulators, 2 weight and 4 x vectors. In 16 lanes they fit AVX-512's 32 registers; with AVX2's 16
+# registers of 8 lanes they take 28 and spill, so there the block works in 8 lanes (14 registers).
+# Measured on a 2-core AMD EPYC with AVX2 (Zen 3, 2026-12-07, SmolLM2's Q4_1 matrices, one thread, best
+# of 1000, two runs each): qkv 960×576 at 8 / 15 rows 321-469 / 461-664 µs in 16 lanes, 238-239 /
+# 377-384 in 8; gate_up 3072×576 1016-1532 / 1459-2122 against 746-752 / 1194-1211.
+DOT_LANES = LANES if AVX512 else 8
 _F32, _I8, _I16, _I32, _I64 = ir.FloatType(), ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 
 
@@ -578,10 +597,11 @@ def _tile_block(rows: int, vectors: int):
     return tile_block
 
 
-def _dot_block(rows: int, tokens: int):
+def _dot_block(rows: int, tokens: int, lanes: int = LANES):
     """The register block of the few-rows product (`kernels.matmul_rows`): `rows` decoded weight rows
-    against `tokens` rows of x over the same columns, rows·tokens accumulators of 16 lanes kept in
-    registers, each weight and x vector loaded once a step. Written here because numba's loops come out
+    against `tokens` rows of x over the same columns, rows·tokens accumulators of `lanes` lanes (16 with
+    AVX-512, 8 without: `DOT_LANES`) kept in registers, each weight and x vector loaded once, 16 columns
+    a step. Written here because numba's loops come out
     in 256-bit vectors (LLVM prefers them on these CPUs): 2 × 4 with 512-bit lanes ran at 2-3× their
     multiply-adds a second (`kernels.matmul_rows`)."""
 
@@ -595,30 +615,31 @@ def _dot_block(rows: int, tokens: int):
             a_data = [context.make_array(sig.args[1 + r])(context, builder, value).data
                       for r, value in enumerate((a0_v, a1_v)[:rows])]
             b_data = context.make_array(sig.args[3])(context, builder, b_v).data
-            vector = _vector(_F32)
+            vector = ir.VectorType(_F32, lanes)
             accumulators = [[cgutils.alloca_once(builder, vector) for _ in range(tokens)]
                             for _ in range(rows)]
             for row in accumulators:
                 for accumulator in row:
-                    builder.store(ir.Constant(vector, [0.0] * LANES), accumulator)
+                    builder.store(ir.Constant(vector, [0.0] * lanes), accumulator)
             b_rows = [builder.add(b_at_v, builder.mul(_i64(t), b_stride_v)) for t in range(tokens)]
 
-            def lanes(data, at):
+            def load(data, at):
                 return builder.load(builder.bitcast(builder.gep(data, [at]), vector.as_pointer()), align=4)
 
             with cgutils.for_range(builder, steps_v) as loop:
-                column = builder.mul(loop.index, _i64(LANES))
-                weights = [lanes(data, column) for data in a_data]
-                xs = [lanes(b_data, builder.add(at, column)) for at in b_rows]
-                for r in range(rows):
-                    for t in range(tokens):
-                        total = builder.load(accumulators[r][t])
-                        product = builder.fmul(weights[r], xs[t], flags=["fast"])
-                        builder.store(builder.fadd(total, product, flags=["fast"]), accumulators[r][t])
+                for half in range(LANES // lanes):  # 16 columns a step, `lanes` at a time
+                    column = builder.add(builder.mul(loop.index, _i64(LANES)), _i64(half * lanes))
+                    weights = [load(data, column) for data in a_data]
+                    xs = [load(b_data, builder.add(at, column)) for at in b_rows]
+                    for r in range(rows):
+                        for t in range(tokens):
+                            total = builder.load(accumulators[r][t])
+                            product = builder.fmul(weights[r], xs[t], flags=["fast"])
+                            builder.store(builder.fadd(total, product, flags=["fast"]), accumulators[r][t])
             for r in range(rows):
                 for t in range(tokens):
                     total = builder.load(accumulators[r][t])
-                    width = LANES
+                    width = lanes
                     while width > 1:  # halves added pairwise: 16 → 8 → 4 → 2 → 1 lanes
                         width //= 2
                         low = _shuffle(builder, total, list(range(width)))
@@ -638,8 +659,10 @@ def _dot_block(rows: int, tokens: int):
 
 # dot_block_<rows>x<tokens>: two weight rows against four rows of x, and the smaller blocks for a part's
 # odd last row and the last 1-3 rows of x.
-dot_block_2x4, dot_block_2x3, dot_block_2x2, dot_block_2x1 = (_dot_block(2, t) for t in (4, 3, 2, 1))
-dot_block_1x4, dot_block_1x3, dot_block_1x2, dot_block_1x1 = (_dot_block(1, t) for t in (4, 3, 2, 1))
+dot_block_2x4, dot_block_2x3, dot_block_2x2, dot_block_2x1 = (
+    _dot_block(2, t, DOT_LANES) for t in (4, 3, 2, 1))
+dot_block_1x4, dot_block_1x3, dot_block_1x2, dot_block_1x1 = (
+    _dot_block(1, t, DOT_LANES) for t in (4, 3, 2, 1))
 
 
 # tile_block_<rows>x<vectors>: 6 rows a block, and 4 for the end of a tile whose rows are not a
