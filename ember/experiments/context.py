@@ -103,17 +103,22 @@ class BatchLayout:
         known = self._spans.get(layer)
         if known is not None:
             return known
-        spans = []
-        for k, index in enumerate(self.indices):
-            if layer is None:
-                rows = slice(k, k + 1)
-                start = self.starts[k] + self.offsets[k + 1] - self.offsets[k] - 1
-            elif self.first_layers[k] <= layer:
-                rows, start = slice(self.offsets[k], self.offsets[k + 1]), self.starts[k]
-            else:
-                continue
-            spans.append(SequenceSpan(index, rows, start, self.first_layers[k], self.tags[k]))
-        self._spans[layer] = result = tuple(spans)
+        if layer is None:
+            result = tuple(SequenceSpan(index, slice(k, k + 1),
+                                        self.starts[k] + self.offsets[k + 1] - self.offsets[k] - 1,
+                                        self.first_layers[k], self.tags[k])
+                           for k, index in enumerate(self.indices))
+        else:
+            # A sequence's rows are the same at every layer it is evaluated at: its span is made once and
+            # each layer keeps those that have reached it (making them per layer took 4% of residual
+            # patching's time, SmolLM2, 18 pairs, Zen 3 EPYC).
+            every = self._spans.get("every")
+            if every is None:
+                every = self._spans["every"] = tuple(
+                    SequenceSpan(index, slice(self.offsets[k], self.offsets[k + 1]), self.starts[k],
+                                 self.first_layers[k], self.tags[k]) for k, index in enumerate(self.indices))
+            result = tuple(span for span in every if span.first_layer <= layer)
+        self._spans[layer] = result
         return result
 
 
