@@ -30,7 +30,7 @@ from ember.records.values import (
     MAX_TAG_LENGTH,
     chunks,
     clip,
-    figure_png,
+    figure_data,
     figure_suffix,
     json_cell,
     json_default,
@@ -212,10 +212,9 @@ class Tracker:
         """A matplotlib figure as the file `artifact_file` names (PNG rendered once, also for a results
         page); an SVG figure as SVG, its name's suffix made `.svg`."""
         if isinstance(figure, SvgFigure):
-            name = str(Path(artifact_file).with_suffix(SvgFigure.suffix))
-            self._artifact(run_id, name, lambda path: path.write_bytes(figure.data()))
-        elif artifact_file.lower().endswith(".png"):  # rendered once, also for a results page
-            self._artifact(run_id, artifact_file, lambda path: path.write_bytes(figure_png(figure)))
+            artifact_file = str(Path(artifact_file).with_suffix(figure_suffix(figure)))
+        if isinstance(figure, SvgFigure) or artifact_file.lower().endswith(".png"):  # PNG: rendered once
+            self._artifact(run_id, artifact_file, lambda path: path.write_bytes(figure_data(figure)))
         else:
             self._artifact(run_id, artifact_file, lambda path: figure.savefig(path))
 

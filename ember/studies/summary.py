@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ember.studies.figures import context_title, human_label, page_figure, points_figure
-from ember.studies.report import PageFigure
+from ember.studies.report import PageFigure, ResultsPage, Table, interval_text, render
 
 FALLBACK_KEYS = ("effect.kl_mean", "effect.top1_agreement")
 
@@ -98,7 +98,7 @@ def summarize_sweep(records: Any, experiment_id: str, parent_run_id: str) -> dic
     by_job = {row["job"]: row for row in rows}
     metrics: list[tuple[str, float, int]] = []
     figures: list[str] = []
-    pngs = []  # the results page's figures
+    page_figures = []
     for metric, found in points.items():
         if not found:
             continue
@@ -113,7 +113,7 @@ def summarize_sweep(records: Any, experiment_id: str, parent_run_id: str) -> dic
                                best=best if metric == "objective" else None)
         records.log_figure(parent_run_id, figure, f"sweep/{metric}.png")
         figures.append(metric)
-        pngs.append(page_figure(f"sweep/{metric}.png: {what}", figure))
+        page_figures.append(page_figure(f"sweep/{metric}.png: {what}", figure))
         # the step is the swept value where it is an integer (a layer), else the job number
         integer_x = xs is not None and x_name is not None and all(float(x).is_integer() for x in xs)
         axis = f"by_{_metric_word(x_name)}" if integer_x and x_name is not None else "by_job"
@@ -127,7 +127,7 @@ def summarize_sweep(records: Any, experiment_id: str, parent_run_id: str) -> dic
     if x_name is not None:
         tags["ember.sweep.swept"] = x_name
     records.set_tags(parent_run_id, tags)
-    _log_page(records, parent, children, rows, swept, key_metrics, pngs, context)
+    _log_page(records, parent, children, rows, swept, key_metrics, page_figures, context)
     return {"rows": rows, "swept": swept, "key_metrics": key_metrics, "figures": figures}
 
 
@@ -194,10 +194,8 @@ def _intervals(client: Any, run: Any) -> dict[tuple[str, int], tuple[float | Non
 
 
 def _log_page(records: Any, parent: Any, children: Sequence[Any], rows: Sequence[dict[str, Any]],
-              swept: Sequence[str], key_metrics: Sequence[str], pngs: Sequence[PageFigure],
+              swept: Sequence[str], key_metrics: Sequence[str], page_figures: Sequence[PageFigure],
               context: tuple[str, str, int | None]) -> None:
-    from ember.studies.report import ResultsPage, Table, interval_text, render
-
     model, prompt_set, n = context
     tags = parent.data.tags
     facts = [("model", model or "?"), ("prompt set", prompt_set or "none (single prompts)"),
@@ -222,7 +220,7 @@ def _log_page(records: Any, parent: Any, children: Sequence[Any], rows: Sequence
             "interval (a per-layer series at its largest-magnitude step); also sweep/summary.json")
     config = "\n".join(f"{k}: {v}" for k, v in sorted(parent.data.params.items()))
     page = ResultsPage(f"Sweep: {parent.info.run_name}", facts,
-                       list(pngs),
+                       list(page_figures),
                        [Table("Jobs", table, note)], config)
     records.log_text(parent.info.run_id, render(page), "results.html")
 
