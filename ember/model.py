@@ -103,6 +103,17 @@ class Generation:
         return self.stop_reason != "failure"
 
 
+def _logit_columns(entries: Sequence[BatchEntry], hooks: Any, all_logits: bool) -> np.ndarray | None:
+    """The vocabulary entries a batch's LM head forms (`BatchRows.columns`): when every sequence reads
+    only some logits (`BatchEntry.logit_ids`) and no hook listens at after_logits (it is shown every
+    logit), the union of theirs; otherwise None, every logit."""
+    if all_logits or any(entry.logit_ids is None for entry in entries):
+        return None
+    if "after_logits" in getattr(hooks, "listening", ("after_logits",)):
+        return None
+    return np.unique(np.concatenate([entry.logit_ids for entry in entries]))
+
+
 def default_threads() -> int:
     """The cores this process may run on (what a scheduler's share is taken of)."""
     return len(allowed_cores())
@@ -335,13 +346,19 @@ class Model:
         `observer`: a hooks adapter that sees the whole batch (`begin_batch`). A batch larger than
         `batch_memory` is evaluated in several parts. Nothing is cached for generation afterwards."""
         layer_count = self.config.layer_count
-        entries = [replace(entry, token_ids=np.asarray(entry.token_ids, np.int64)) for entry in entries]
+        entries = [replace(entry, token_ids=np.asarray(entry.token_ids, np.int64), logit_ids=None
+                           if entry.logit_ids is None else np.asarray(entry.logit_ids, np.int64))
+                   for entry in entries]
         for index, entry in enumerate(entries):
             try:
                 check_entry(entry, layer_count)
             except ValueError as error:
                 raise ConfigError(f"batch sequence {index}: {error}") from None
             self.tokenize(entry.token_ids)  # ids inside the vocabulary
+            vocab = self.config.vocab_size
+            if entry.logit_ids is not None and not np.all((entry.logit_ids >= 0) & (entry.logit_ids < vocab)):
+                raise ConfigError(f"batch sequence {index}: logit_ids {entry.logit_ids.tolist()} go outside "
+                                  f"the vocabulary's {vocab} entries")
             if len(entry.token_ids) > self.context_length:
                 raise ContextLengthError(f"batch sequence {index} has {len(entry.token_ids)} tokens; the "
                                          f"context holds {self.context_length}")
@@ -352,10 +369,16 @@ class Model:
         with compute_threads(self.threads):
             for part in self._batch_parts(entries, all_logits):
                 count = sum(entries[i].rows for i in part)
-                rows = BatchRows([entries[i] for i in part], self._batch_rows(count), layer_count, part)
+                columns = _logit_columns([entries[i] for i in part], hooks, all_logits)
+                rows = BatchRows([entries[i] for i in part], self._batch_rows(count), layer_count, part,
+                                 columns)
                 out = self._forward.evaluate(rows, hooks, ExecutionPhase.PREFILL, all_logits=all_logits)
                 for k, index in enumerate(rows.order):
-                    logits[index] = out[rows.offsets[k]:rows.offsets[k + 1]] if all_logits else out[k]
+                    value = out[rows.offsets[k]:rows.offsets[k + 1]] if all_logits else out[k]
+                    wanted = entries[index].logit_ids
+                    if wanted is not None:  # those entries alone, in the order asked
+                        value = value[..., wanted if columns is None else np.searchsorted(columns, wanted)]
+                    logits[index] = value
                 saved.update(rows.saved)
         return BatchResult(logits, saved)  # type: ignore[arg-type]
 

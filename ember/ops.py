@@ -55,6 +55,17 @@ def linear(x: np.ndarray, weight: Any, out: np.ndarray) -> np.ndarray:
     return out
 
 
+def linear_at(x: np.ndarray, weight: Any, out: np.ndarray, columns: np.ndarray | None = None) -> np.ndarray:
+    """`linear`, or with `columns` only those output features: out[:, j] = x · weight[columns[j]] (their
+    rows decoded first, `gather_rows`). An LM head asked for a few logits forms those alone: a patched
+    run read through a logit difference needs 2 of SmolLM2's 49,152 (its head was 22% of residual
+    patching's multiply-adds)."""
+    if columns is None:
+        return linear(x, weight, out)
+    picked = gather_rows(weight, columns, np.empty((len(columns), x.shape[1]), np.float32))
+    return np.matmul(x, picked.T, out=out)
+
+
 def gather_rows(table: Any, ids: np.ndarray, out: np.ndarray) -> np.ndarray:
     """out[i] = table[ids[i]]: embedding lookups from a float32 array or a table that decodes its own
     rows (`rows(ids, out)`: quantized weights, rows read from the file). ids are valid row numbers."""

@@ -61,7 +61,9 @@ class BatchEntry:
     """One sequence of a batch: `token_ids` is the whole sequence (positions 0…T−1); its rows
     `start`…T−1 are evaluated from layer `first_layer` on. `start` > 0 or `first_layer` > 0 needs
     `prefix`, the saved evaluation those positions and layers are taken from; `save` keeps this
-    evaluation's state; `tag` is shown to the hooks with the sequence (the experiment's own label)."""
+    evaluation's state; `tag` is shown to the hooks with the sequence (the experiment's own label).
+    `logit_ids`: the vocabulary entries whose logits are read (the caller gets those alone, in that
+    order); None: all of them."""
 
     token_ids: np.ndarray
     start: int = 0
@@ -69,6 +71,7 @@ class BatchEntry:
     prefix: SavedState | None = None
     save: bool = False
     tag: Any = None
+    logit_ids: np.ndarray | None = None
 
     @property
     def rows(self) -> int:
@@ -99,6 +102,8 @@ def check_entry(entry: BatchEntry, layer_count: int) -> None:
 
 class SequenceRows:
     """One sequence at positions start_position…start_position+T−1 over a KV cache."""
+
+    columns = None  # the LM head forms every logit (`BatchRows.columns`)
 
     def __init__(self, token_ids: np.ndarray, start_position: int, cache: Any, ws: Any) -> None:
         self.token_ids = token_ids
@@ -211,12 +216,15 @@ class BatchRows:
 
     `order[k]` is the entry (in the caller's order) whose rows are the k-th span of the stack; entries
     are stacked by first layer, so `live[i]` (the rows evaluated at layer i) covers a prefix of the stack.
+    `columns`: the vocabulary entries the LM head forms logits for, in that order (None: all of them);
+    a caller that reads a few logits of each sequence (a logit difference) spares the rest of the head.
     """
 
     def __init__(self, entries: Sequence[BatchEntry], ws: Any, layer_count: int,
-                 indices: Sequence[int] | None = None) -> None:
+                 indices: Sequence[int] | None = None, columns: np.ndarray | None = None) -> None:
         self.entries = list(entries)
         self.ws = ws
+        self.columns = columns
         order = sorted(range(len(entries)), key=lambda e: entries[e].first_layer)
         self.order = order if indices is None else [int(indices[e]) for e in order]  # the caller's indices
         stacked = [entries[e] for e in order]  # `entries` is this part's: its own indices

@@ -354,6 +354,76 @@ def test_refusals_name_the_batch_sequence(small: Any) -> None:
                           BatchEntry(ids[:4], start=2, first_layer=1, prefix=state)])
 
 
+# --------------------------------------------------------------------------- a few logits
+
+
+class SeeLogits(Experiment):
+    """Contract v0.3: listens at after_logits, and records the shape of what it is shown."""
+
+    name = "see_logits"
+    batched = True
+
+    def __init__(self) -> None:
+        self.shapes: list[tuple[int, ...]] = []
+
+    def after_logits(self, ctx: Any, logits: Any) -> None:
+        self.shapes.append(logits.values().shape)
+
+
+@families(FAMILIES)
+def test_logits_read_at_a_few_ids_equal_those_of_every_logit(model: Any) -> None:
+    """An entry with `logit_ids` gets those logits alone, in its order, equal to the full evaluation's at
+    those ids (softcaps and logit scales included); the LM head forms only the batch's union of them,
+    unless a hook listens at after_logits (shown every logit) or another entry reads them all."""
+    seqs = sequences(model, seed=8)
+    V = model.config.vocab_size
+    rng = np.random.default_rng(9)
+    wanted = [rng.choice(V, size=n, replace=False) for n in (2, 1, 3, 2, 5)]
+    wanted[3] = np.array([wanted[0][1], wanted[0][1], 0, V - 1])  # repeated, shared, the first and last ids
+    full = [model.evaluate([int(t) for t in s]) for s in seqs]
+    state = save(model, seqs[LONG])
+    entries = [BatchEntry(s, logit_ids=ids) for s, ids in zip(seqs, wanted, strict=True)]
+    entries.append(BatchEntry(seqs[LONG], start=3, first_layer=1, prefix=state, logit_ids=wanted[4]))
+    expected = [(f, ids) for f, ids in zip(full, wanted, strict=True)] + [(full[LONG], wanted[4])]
+
+    formed: list[tuple[int, ...]] = []
+    head = model._forward.lm_head
+
+    def spy(z: np.ndarray, out: np.ndarray, columns: Any = None) -> np.ndarray:
+        formed.append(out.shape)
+        return head(z, out, columns)
+
+    model._forward.lm_head = spy
+    try:
+        plain = model.evaluate_batch(entries)
+        assert formed == [(len(entries), len(np.unique(np.concatenate(wanted))))]  # the union alone
+        seen = SeeLogits()
+        watched = model.evaluate_batch(entries, observer=hooks(model, seen))
+        assert seen.shapes == [(len(entries), V)] and formed[-1] == (len(entries), V)
+        mixed = model.evaluate_batch([*entries, BatchEntry(seqs[1])])
+        assert formed[-1] == (len(entries) + 1, V)
+        assert relative(mixed.logits[-1], full[1]) <= TOLERANCE
+    finally:
+        del model._forward.lm_head
+    for result in (plain, watched, mixed):
+        for index, (logits, ids) in enumerate(expected):
+            ours = result.logits[index]
+            assert ours.shape == ids.shape
+            # relative to the sequence's largest logit: the ids' own may all be near 0
+            assert np.max(np.abs(ours - logits[ids])) <= TOLERANCE * np.max(np.abs(logits)), index
+    every = model.evaluate_batch([BatchEntry(seqs[0], logit_ids=wanted[0])], all_logits=True)
+    reference = model.logits([int(t) for t in seqs[0]])
+    assert every.logits[0].shape == (len(seqs[0]), len(wanted[0]))
+    assert np.max(np.abs(every.logits[0] - reference[:, wanted[0]])) <= TOLERANCE * np.max(np.abs(reference))
+
+
+def test_logit_ids_outside_the_vocabulary_are_refused(small: Any) -> None:
+    V = small.config.vocab_size
+    for ids in ([0, V], [-1]):
+        with pytest.raises(ConfigError, match=f"batch sequence 1: logit_ids .* outside the vocabulary's {V}"):
+            small.evaluate_batch([BatchEntry(np.arange(3, 6)), BatchEntry(np.arange(3, 6), logit_ids=ids)])
+
+
 # --------------------------------------------------------------------------- the ragged kernel
 
 

@@ -244,6 +244,17 @@ def test_mean_ablation_batched_equals_one_at_a_time(smollm2):
     clean = smollm2.logits(list(items[0].token_ids))[-1]
     assert float(np.abs(alone[0] - clean).max()) > 0.1  # the ablation does change the logits
     assert batched.results().metrics == single.results().metrics  # ablated tensors: 4 sites × 6 items
+    # read at a few logits (`Evaluation.logit_ids`): those alone, in the order asked, on both paths
+    ids = (items[0].answer_id, 7, items[0].wrong_answer_id, 7)
+    few = Evaluator(smollm2, batched).answer([(0, Evaluation(items[0].token_ids, logit_ids=ids))])[0]
+    one = evaluate_request(smollm2, single, Evaluation(items[0].token_ids, logit_ids=ids))
+    scale = float(np.abs(alone[0]).max())
+    np.testing.assert_allclose(one, alone[0][list(ids)], rtol=0, atol=1e-6 * scale)
+    np.testing.assert_allclose(few, alone[0][list(ids)], rtol=0, atol=1e-5 * scale)
+    from ember.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="logit_ids .* outside the vocabulary"):
+        evaluate_request(smollm2, single, Evaluation(items[0].token_ids, logit_ids=(-1,)))
 
 
 def test_direction_methods_on_known_differences():

@@ -42,6 +42,7 @@ from ember.experiments.base import Experiment
 from ember.experiments.context import ExecutionPhase, LayerContext, ModelContext, TensorAccess
 from ember.experiments.labels import shorten, token_label
 from ember.experiments.patching import (
+    answer_pair,
     changed_positions,
     check_pairs,
     logit_difference,
@@ -138,9 +139,11 @@ class ActivationPatching(Experiment):
 
     def evaluate_item(self, item: StudyItem) -> Generator[Any, Any, ItemResult]:
         assert item.corrupted_ids is not None
-        clean, corrupted = yield [Evaluation(item.token_ids, tag=("clean", item.index)),
-                                  Evaluation(item.corrupted_ids, attach=False, save="corrupted")]
-        ld_clean, ld_corrupted = logit_difference(clean, item), logit_difference(corrupted, item)
+        pair = answer_pair(item)  # the two logits each run is read at
+        clean, corrupted = yield [
+            Evaluation(item.token_ids, tag=("clean", item.index), logit_ids=pair),
+            Evaluation(item.corrupted_ids, attach=False, save="corrupted", logit_ids=pair)]
+        ld_clean, ld_corrupted = logit_difference(clean), logit_difference(corrupted)
         layers = self.layers if self.layers is not None else tuple(range(self._layer_count))
         T = len(item.token_ids)
         differ = changed_positions(item)
@@ -166,11 +169,12 @@ class ActivationPatching(Experiment):
                     start = min(positions[0], T - 1)
                     passes.append(Evaluation(item.corrupted_ids, tag=("patch", item.index, site, layer,
                                                                       *positions),
-                                             reuse="corrupted", start=start, first_layer=layer))
+                                             reuse="corrupted", start=start, first_layer=layer,
+                                             logit_ids=pair))
         patched = yield passes
         for (s, j, k), logits in zip(patches, patched, strict=True):
             self._passes += 1
-            scores[s, j, k] = restored(logit_difference(logits, item), ld_clean, ld_corrupted)
+            scores[s, j, k] = restored(logit_difference(logits), ld_clean, ld_corrupted)
         for key in [key for key in self._clean if key[0] == item.index]:
             del self._clean[key]
         self._items += 1

@@ -43,6 +43,7 @@ from ember.errors import ConfigError
 from ember.experiments.base import Experiment
 from ember.experiments.context import ExecutionPhase, LayerContext, ModelContext, TensorAccess
 from ember.experiments.patching import (
+    answer_pair,
     changed_positions,
     check_pairs,
     logit_difference,
@@ -145,9 +146,11 @@ class HeadPatching(Experiment):
 
     def evaluate_item(self, item: StudyItem) -> Generator[Any, Any, ItemResult]:
         assert item.corrupted_ids is not None
-        clean, corrupted = yield [Evaluation(item.token_ids, tag=("clean", item.index)),
-                                  Evaluation(item.corrupted_ids, attach=False, save="corrupted")]
-        ld_clean, ld_corrupted = logit_difference(clean, item), logit_difference(corrupted, item)
+        pair = answer_pair(item)  # the two logits each run is read at
+        clean, corrupted = yield [
+            Evaluation(item.token_ids, tag=("clean", item.index), logit_ids=pair),
+            Evaluation(item.corrupted_ids, attach=False, save="corrupted", logit_ids=pair)]
+        ld_clean, ld_corrupted = logit_difference(clean), logit_difference(corrupted)
         T = len(item.token_ids)
         differ = changed_positions(item)
         chosen = {"all": tuple(range(int(differ[0]), T)), "changed": tuple(int(p) for p in differ),
@@ -163,11 +166,12 @@ class HeadPatching(Experiment):
                     # the corrupted run's state up to the patch: positions before it, layers before it
                     passes.append(Evaluation(item.corrupted_ids, tag=("patch", item.index, layer, group,
                                                                       positions),
-                                             reuse="corrupted", start=positions[0], first_layer=layer))
+                                             reuse="corrupted", start=positions[0], first_layer=layer,
+                                             logit_ids=pair))
         patched = yield passes
         scores = np.full((len(self.positions), len(layers), len(groups)), np.nan)
         for (c, j, g), logits in zip(where, patched, strict=True):
-            scores[c, j, g] = restored(logit_difference(logits, item), ld_clean, ld_corrupted)
+            scores[c, j, g] = restored(logit_difference(logits), ld_clean, ld_corrupted)
         self._passes += len(passes)
         for key in [key for key in self._clean if key[0] == item.index]:
             del self._clean[key]

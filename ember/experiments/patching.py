@@ -45,10 +45,16 @@ def changed_positions(item: StudyItem) -> np.ndarray:
     return np.flatnonzero(np.array(item.token_ids) != np.array(item.corrupted_ids))
 
 
-def logit_difference(logits: np.ndarray, item: StudyItem) -> float:
-    """LD of one evaluation's last-position logits [vocab]."""
+def answer_pair(item: StudyItem) -> tuple[int, int]:
+    """The (answer, wrong answer) first tokens: the logits a patching evaluation reads
+    (`Evaluation.logit_ids`, so the engine forms those two alone)."""
     assert item.answer_id is not None and item.wrong_answer_id is not None
-    return float(logits[item.answer_id] - logits[item.wrong_answer_id])
+    return item.answer_id, item.wrong_answer_id
+
+
+def logit_difference(pair: np.ndarray) -> float:
+    """LD = logit(answer) − logit(wrong answer) of an evaluation read at `answer_pair`."""
+    return float(pair[0] - pair[1])
 
 
 def restored(ld: float, ld_clean: float, ld_corrupted: float) -> float:

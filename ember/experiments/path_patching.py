@@ -64,7 +64,13 @@ from ember import stages
 from ember.errors import ConfigError
 from ember.experiments.base import Experiment
 from ember.experiments.context import ExecutionPhase, LayerContext, ModelContext, TensorAccess
-from ember.experiments.patching import changed_positions, check_pairs, logit_difference, score_maps
+from ember.experiments.patching import (
+    answer_pair,
+    changed_positions,
+    check_pairs,
+    logit_difference,
+    score_maps,
+)
 from ember.experiments.results import ExperimentResult, Metric
 from ember.experiments.study import Evaluation, ItemResult, StudyItem
 
@@ -228,9 +234,11 @@ class PathPatching(Experiment):
     def evaluate_item(self, item: StudyItem) -> Generator[Any, Any, ItemResult]:
         assert item.corrupted_ids is not None
         index = item.index
-        clean, corrupted = yield [Evaluation(item.token_ids, tag=("clean", index), save="clean"),
-                                  Evaluation(item.corrupted_ids, tag=("corrupted", index))]
-        ld_clean, ld_corrupted = logit_difference(clean, item), logit_difference(corrupted, item)
+        pair = answer_pair(item)  # the two logits each run is read at
+        clean, corrupted = yield [
+            Evaluation(item.token_ids, tag=("clean", index), save="clean", logit_ids=pair),
+            Evaluation(item.corrupted_ids, tag=("corrupted", index), logit_ids=pair)]
+        ld_clean, ld_corrupted = logit_difference(clean), logit_difference(corrupted)
         layers = sorted({layer for layer, _ in self.receivers})
         self._chain = layers[:1] + [layer for layer in layers[1:]
                                     if self.channel in ("k", "v") and self._bystanders(layer)]
@@ -242,18 +250,19 @@ class PathPatching(Experiment):
         patched: list[np.ndarray] = []
         if run:  # (every step asks for something)
             patched = yield [Evaluation(item.token_ids, tag=("send", index, g), reuse="clean", start=start,
-                                        first_layer=first[g]) for g in run]
+                                        first_layer=first[g], logit_ids=pair) for g in run]
         for link, layer in enumerate(self._chain if run else ()):
             more = link + 1 < len(self._chain)
             patched = yield [Evaluation(item.token_ids, tag=("receive", index, g, link), start=start,
                                         reuse=("link", g, link - 1) if link else "clean", first_layer=layer,
-                                        save=("link", g, link) if more else None) for g in run]
+                                        save=("link", g, link) if more else None, logit_ids=pair)
+                             for g in run]
         self._passes += len(run) * (1 + len(self._chain))
         gap = ld_clean - ld_corrupted
         scores = np.zeros(len(self._groups))
         lds = np.full(len(self._groups), ld_clean)
         for g, logits in zip(run, patched, strict=True):
-            lds[g] = logit_difference(logits, item)
+            lds[g] = logit_difference(logits)
             scores[g] = (lds[g] - ld_clean) / gap if abs(gap) > 1e-6 else math.nan
         for key in [key for key in self._recorded if key[1] == index]:
             del self._recorded[key]

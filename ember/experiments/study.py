@@ -27,7 +27,9 @@ list of logits) and its hooks see them as one batch, each sequence's rows named 
 merged into one batch. Such an evaluation may start from a saved one of the same item (prefix reuse):
 `save=key` keeps an evaluation's state; `reuse=key, start=p, first_layer=l` evaluates only positions
 p… from layer l on, the positions before p and the layers before l taken from the saved evaluation (its
-tokens must agree up to p, and everywhere when l > 0).
+tokens must agree up to p, and everywhere when l > 0). `logit_ids=(a, b, …)` asks for those vocabulary
+entries' logits alone (answered with [len(ids)], in that order): an experiment that reads a logit
+difference spares the engine the rest of the LM head (unless a hook listens at after_logits).
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ class Evaluation:
     reuse: Any = None    # the key of a saved evaluation of this item to start from
     start: int = 0       # with `reuse`: the first position evaluated
     first_layer: int = 0  # with `reuse`: the first layer evaluated
+    logit_ids: Sequence[int] | None = None  # only these logits are read: the reply is [len(logit_ids)]
 
 
 @dataclass(slots=True)

@@ -43,6 +43,7 @@ from ember.ops import (
     gather_rows,
     gelu_tanh_inplace,
     linear,
+    linear_at,
     rms_norm,
     rope_tables,
 )
@@ -311,9 +312,10 @@ class Gemma3Forward(Readouts):
         gate *= up
         return linear(gate, layer.ffn_down, ws.mlp_output)
 
-    def lm_head(self, z: np.ndarray, out: np.ndarray) -> np.ndarray:
-        """logits = z Eᵀ, soft-capped when the model has a final logit softcap."""
-        linear(z, self.weights.output, out)
+    def lm_head(self, z: np.ndarray, out: np.ndarray, columns: np.ndarray | None = None) -> np.ndarray:
+        """logits = z Eᵀ, soft-capped when the model has a final logit softcap; with `columns` those
+        vocabulary entries' alone."""
+        linear_at(z, self.weights.output, out, columns)
         cap = self.config.final_logit_softcap
         if cap:
             out *= 1.0 / cap

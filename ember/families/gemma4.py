@@ -68,7 +68,7 @@ from ember.families.inside import show_inputs
 from ember.families.workspace import head_of
 from ember.gguf_file import GGUFFile
 from ember.kv_cache import LayeredKVCache
-from ember.ops import apply_rope, gather_rows, gelu_tanh_inplace, linear, rms_norm
+from ember.ops import apply_rope, gather_rows, gelu_tanh_inplace, linear, linear_at, rms_norm
 from ember.phases import ExecutionPhase, ModelFamily
 from ember.rows import Rows, SequenceRows
 from ember.weights import WeightStore
@@ -674,9 +674,10 @@ class Gemma4Forward(Readouts):
         g *= ple[:T, i, :]
         return linear(g, layer.ple_proj, ws.ple_output)
 
-    def lm_head(self, z: np.ndarray, out: np.ndarray) -> np.ndarray:
-        """logits = c·tanh((z Eᵀ)/c): the (normally tied) LM head, then the final softcap."""
-        linear(z, self.weights.output, out)
+    def lm_head(self, z: np.ndarray, out: np.ndarray, columns: np.ndarray | None = None) -> np.ndarray:
+        """logits = c·tanh((z Eᵀ)/c): the (normally tied) LM head, then the final softcap; with `columns`
+        those vocabulary entries' alone."""
+        linear_at(z, self.weights.output, out, columns)
         cap = self.config.final_logit_softcap
         if cap:
             out *= np.float32(1.0 / cap)

@@ -19,7 +19,9 @@ def final_norm_and_logits(hidden: np.ndarray, output_norm: np.ndarray, eps: floa
     `rows` (`ember.rows`): one sequence, whose last row's logits are returned ([1, V], a workspace
     view), or a batch, each of whose sequences' last row's logits are ([sequences, V], new, in stack
     order). With all_logits, those of every row ([rows, V], new), the hooked ones included.
-    `lm_head(normed, out)` is the family's head including its post-processing (softcap).
+    A batch whose caller reads only some logits (`rows.columns`, set only where no hook listens at
+    after_logits) gets those vocabulary entries' alone ([sequences, len(columns)]) and no after_logits.
+    `lm_head(normed, out, columns=None)` is the family's head including its post-processing (softcap).
     """
     count = hidden.shape[0]
     ws = rows.ws
@@ -32,6 +34,8 @@ def final_norm_and_logits(hidden: np.ndarray, output_norm: np.ndarray, eps: floa
         last_normed = rms_norm(hidden[last], output_norm, eps, normed, np.empty((len(last), 1), np.float32))
         out = np.empty((len(last), vocab_size), np.float32)
     hooks.before_logits(last_normed)
+    if rows.columns is not None and not all_logits:
+        return lm_head(last_normed, np.empty((len(last), len(rows.columns)), np.float32), rows.columns)
     logits = lm_head(last_normed, out)
     hooks.after_logits(logits)
     if not all_logits:

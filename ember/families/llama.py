@@ -52,7 +52,7 @@ from ember.families.inside import checkpoint_order, show_inputs
 from ember.families.workspace import Workspace
 from ember.gguf_file import GGUFFile
 from ember.kv_cache import KVCache
-from ember.ops import apply_rope, gather_rows, linear, rms_norm, rope_tables, silu_inplace
+from ember.ops import apply_rope, gather_rows, linear, linear_at, rms_norm, rope_tables, silu_inplace
 from ember.phases import ExecutionPhase, ModelFamily
 from ember.rows import Rows, SequenceRows
 from ember.weights import WeightStore
@@ -421,9 +421,10 @@ class LlamaForward(Readouts):
         gate *= up
         return linear(gate, layer.ffn_down, ws.mlp_output)
 
-    def lm_head(self, z: np.ndarray, out: np.ndarray) -> np.ndarray:
-        """logits = z Woutᵀ (or z Eᵀ when tied), divided by logit_scale (granite; 1 elsewhere)."""
-        linear(z, self.weights.output, out)
+    def lm_head(self, z: np.ndarray, out: np.ndarray, columns: np.ndarray | None = None) -> np.ndarray:
+        """logits = z Woutᵀ (or z Eᵀ when tied), divided by logit_scale (granite; 1 elsewhere); with
+        `columns` those vocabulary entries' alone."""
+        linear_at(z, self.weights.output, out, columns)
         if self.config.logit_scale != 1.0:
             out /= np.float32(self.config.logit_scale)
         return out

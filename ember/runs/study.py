@@ -369,13 +369,23 @@ def evaluate_request(model: Any, experiment: Any, request: Evaluation) -> np.nda
     `attach=False`), through the same lifecycle as a generation; the last position's logits."""
     ids = list(request.token_ids)
     if not request.attach:
-        return model.evaluate(ids)
+        return _read(model.evaluate(ids), request)
     runner = ExperimentRunner([experiment], model.model_context)
     runner.on_model_loaded()
     runner.before_prefill(0, len(ids))
     logits = model.evaluate(ids, observer=runner.hooks)
     runner.on_generation_complete(len(ids), 0, 0)
-    return logits
+    return _read(logits, request)
+
+
+def _read(logits: np.ndarray, request: Evaluation) -> np.ndarray:
+    """The logits a request reads: all, or those of its `logit_ids` in that order."""
+    if request.logit_ids is None:
+        return logits
+    ids = np.asarray(request.logit_ids, np.int64)
+    if not np.all((ids >= 0) & (ids < len(logits))):
+        raise ConfigError(f"logit_ids {ids.tolist()} go outside the vocabulary's {len(logits)} entries")
+    return logits[ids]
 
 
 Request = Evaluation | Sequence[Evaluation]
@@ -429,7 +439,8 @@ class Evaluator:
                 raise ConfigError(f"{self.experiment.name}: no saved evaluation {request.reuse!r} to reuse "
                                   f"(save it in an earlier step of the same item)")
         return BatchEntry(np.asarray(request.token_ids, np.int64), request.start, request.first_layer, prefix,
-                          request.save is not None, request.tag)
+                          request.save is not None, request.tag,
+                          None if request.logit_ids is None else np.asarray(request.logit_ids, np.int64))
 
 
 def drive_together(evaluator: Evaluator, generators: Sequence[Generator[Request, Any, Any] | None],
