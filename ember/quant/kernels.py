@@ -362,15 +362,7 @@ class Q6_K(BlockType, qtype=Q.Q6_K):
             # scale k (= 8·half + part + 2·quarter below) covers x[16k…16k+15] of the block: −32·scale·Σx
             simd.signed_scales(src, at + 192, _f16(table, src, at + 208), scales)
             simd.fma_products16(acc, OFFSET_LANES, scales, 0, sums16, 16 * b, -32.0)
-            for h in range(2):
-                low, high = at + 64 * h, at + 128 + 32 * h
-                for part in range(2):
-                    j, xb = 16 * part, b * 256 + 128 * h + 16 * part
-                    # values j+32·quarter: scale part+2·quarter, nibble and bits as below
-                    for quarter in range(4):
-                        simd.fma_six_bits(acc, 16 * quarter + 64 * part, src, low + j + 32 * (quarter & 1),
-                                          4 * (quarter >> 1), high + j, 2 * quarter, x, xb + 32 * quarter,
-                                          scales[8 * h + part + 2 * quarter])
+            simd.fma_q6_k_block(acc, src, at, x, 256 * b, _f16(table, src, at + 208))
         return np.float32(0.0)
 
 

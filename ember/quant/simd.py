@@ -263,29 +263,6 @@ def fma_signed_bytes(typingctx, acc, acc_at, src, at, x, x_at, scale):
 
 
 @intrinsic
-def fma_six_bits(typingctx, acc, acc_at, src, low_at, low_shift, high_at, high_shift, x, x_at, scale):
-    """acc += scale · (((src[low_at+i] >> low_shift) & 15) | (((src[high_at+i] >> high_shift) & 3) << 4))
-    · x[x_at+i] (Q6_K, before its −32 offset)."""
-    signature = types.void(acc, acc_at, src, low_at, low_shift, high_at, high_shift, x, x_at, scale)
-
-    def codegen(context, builder, sig, args):
-        args = _canonical(context, builder, sig, args)
-        acc_v, acc_at_v, src_v, low_at_v, low_shift_v, high_at_v, high_shift_v, x_v, x_at_v, scale_v = args
-        acc_t, _, src_t = sig.args[:3]
-        x_t = sig.args[7]
-        low_bits = builder.lshr(_bytes(context, builder, src_t, src_v, low_at_v),
-                                _int_splat(builder, low_shift_v))
-        high_bits = builder.lshr(_bytes(context, builder, src_t, src_v, high_at_v),
-                                 _int_splat(builder, high_shift_v))
-        q = builder.or_(builder.and_(low_bits, _const(15)),
-                        builder.shl(builder.and_(high_bits, _const(3)), _const(4)))
-        _accumulate(context, builder, acc_t, acc_v, acc_at_v, x_t, x_v, x_at_v, _floats(builder, q), scale_v)
-        return context.get_dummy_value()
-
-    return signature, codegen
-
-
-@intrinsic
 def fma_half_floats(typingctx, acc, acc_at, src, at, x, x_at):
     """acc += f16(src[at + 2i : at + 2i + 2]) · x[x_at+i] (F16 weights, converted by the CPU's f16c)."""
     signature = types.void(acc, acc_at, src, at, x, x_at)
@@ -442,6 +419,64 @@ two products and a load and store each; Zen 4 EPYC, one thread, a 8192 × 2048 Q
 into the offset lanes."""
 fma_q5_k_block = intrinsic(_k_block(fifth_bits=True))
 fma_q5_k_block.__doc__ = "As fma_q4_k_block for a Q5_K super-block (176 bytes, fifth bits at bytes 16…47)."
+
+
+def _byte_lanes(context, builder, src_type, src, at):
+    """16 bytes of src from byte `at`, as a vector of 16 bytes (bit work on bytes: one 128-bit register
+    where 32-bit lanes take four)."""
+    return builder.load(_lanes(context, builder, src_type, src, at, _I8), align=1)
+
+
+def _byte_const(value: int):
+    return ir.Constant(_vector(_I8), [value] * LANES)
+
+
+@intrinsic
+def fma_q6_k_block(typingctx, acc, src, at, x, x_at, d):
+    """acc += one Q6_K super-block (210 bytes at src[at…]) times x[x_at : x_at+256], its values taken
+    before their −32 offset (the caller adds −32·d·scale_k·Σ x over sub-block k): in each half h of 128
+    values, byte j of the low nibbles (64·h…) and of the high bits (128 + 32·h…) give values j, j+32,
+    j+64, j+96, sub-block k = 8·h + j // 16 + 2·quarter scaled by d·int8(byte 192 + k).
+    The bits are cut from each byte once, in byte lanes, and the two halves' products of a bank summed in
+    registers before one add into it. Against one primitive per 16 values (bytes widened to 32-bit lanes
+    first, loaded again for each quarter, a bank read and written each time), on a Zen 3 EPYC, one
+    thread, runs alternated in one process, medians of 5 (µs): a 2048 × 768 expert of Qwen3-30B-A3B 383
+    → 335, 20,000 rows of its 2048-column LM head 8460 → 6625 (still 5-6 G values/s to Q4_K's 9-11)."""
+    signature = types.void(acc, src, at, x, x_at, d)
+
+    def codegen(context, builder, sig, args):
+        acc_v, src_v, at_v, x_v, x_at_v, d_v = _canonical(context, builder, sig, args)
+        acc_t, src_t, _, x_t = sig.args[:4]
+        raw = _byte_lanes(context, builder, src_t, src_v, builder.add(at_v, _i64(192)))
+        scales = builder.fmul(builder.sitofp(raw, _vector(_F32)), _splat(builder, d_v))
+        for part in range(2):  # bytes j = 16·part … 16·part + 15 of each half
+            totals = [None] * 4  # per quarter: both halves' scale·q·x, in registers
+            for h in range(2):
+                low = builder.add(at_v, _i64(64 * h + 16 * part))
+                l1 = _byte_lanes(context, builder, src_t, src_v, low)
+                l2 = _byte_lanes(context, builder, src_t, src_v, builder.add(low, _i64(32)))
+                high = builder.add(at_v, _i64(128 + 32 * h + 16 * part))
+                bits = _byte_lanes(context, builder, src_t, src_v, high)
+                nibbles = (builder.and_(l1, _byte_const(15)), builder.and_(l2, _byte_const(15)),
+                           builder.lshr(l1, _byte_const(4)), builder.lshr(l2, _byte_const(4)))
+                for quarter in range(4):
+                    top = builder.and_(builder.lshr(bits, _byte_const(2 * quarter)), _byte_const(3))
+                    q = builder.or_(nibbles[quarter], builder.shl(top, _byte_const(4)))
+                    values = builder.uitofp(q, _vector(_F32))
+                    x_at = builder.add(x_at_v, _i64(128 * h + 16 * part + 32 * quarter))
+                    x_lanes = builder.load(_lanes(context, builder, x_t, x_v, x_at, _F32), align=4)
+                    scale = builder.extract_element(scales, ir.Constant(_I32, 8 * h + part + 2 * quarter))
+                    product = builder.fmul(builder.fmul(values, x_lanes, flags=_CONTRACT),
+                                           _splat(builder, scale), flags=_CONTRACT)
+                    totals[quarter] = product if totals[quarter] is None else builder.fadd(
+                        totals[quarter], product, flags=_CONTRACT)
+            for quarter in range(4):
+                pointer = _lanes(context, builder, acc_t, acc_v, _i64(16 * quarter + 64 * part), _F32)
+                builder.store(builder.fadd(builder.load(pointer, align=4), totals[quarter], flags=_CONTRACT),
+                              pointer, align=4)
+        return context.get_dummy_value()
+
+    return signature, codegen
 
 
 @intrinsic
