@@ -41,7 +41,7 @@ from ember.experiments.context import (
 from ember.experiments.failure import ExperimentError
 from ember.experiments.labels import shorten, token_label
 from ember.experiments.lens_view import lens_html
-from ember.experiments.readout import log_softmax
+from ember.experiments.readout import log_normalizer
 from ember.experiments.results import ExperimentResult
 from ember.experiments.study import Evaluation, ItemResult, StudyItem
 from ember.svg_figure import SvgFigure, heatmap_figure
@@ -140,11 +140,13 @@ class LogitLens(Experiment):
         stack = np.stack(per_layer)                                         # [L, T or 1, V]
         last = stack[:, -1, :]
         target = item.answer_id if item.answer_id is not None else int(np.argmax(model_logits))
-        log_probs = log_softmax(last)                                       # [L, V]
-        final_log_probs = log_probs[-1]
-        kl = (np.exp(final_log_probs) * (final_log_probs - log_probs)).sum(axis=-1)
+        # log-probabilities are logits − normalizer: only the few read are formed (the whole [L, V] in
+        # float64 took 24 of 25 ms an item on SmolLM2). KL(final ‖ layer) = Σ p_f (z_f − z_l) − n_f + n_l.
+        normalizer = log_normalizer(last)                                   # [L]
+        p_final = np.exp(last[-1].astype(np.float64) - normalizer[-1])
+        kl = float(last[-1] @ p_final) - last @ p_final - normalizer[-1] + normalizer
         series = {
-            "target_prob": np.exp(log_probs[:, target]),
+            "target_prob": np.exp(last[:, target] - normalizer),
             "target_rank": (last > last[:, target:target + 1]).sum(axis=-1).astype(np.float64),
             "target_logit": last[:, target].astype(np.float64),
             "kl_to_final": np.maximum(kl, 0.0),
@@ -156,7 +158,7 @@ class LogitLens(Experiment):
                 token = int(top[i, rank])
                 self._top_rows.append({"item": item.index, "layer": layer, "rank": rank, "token_id": token,
                                        "token": texts[i * self.top_k + rank],
-                                       "prob": float(np.exp(log_probs[i, token]))})
+                                       "prob": float(np.exp(last[i, token] - normalizer[i]))})
         if every_position:
             self._maps.append(self._position_map(item, stack, target))
         target_text = self._readout.token_text([target])[0]
@@ -173,9 +175,8 @@ class LogitLens(Experiment):
 
     def _position_map(self, item: StudyItem, stack: np.ndarray, target: int) -> dict[str, Any]:
         predicted = [*item.token_ids[1:], target]
-        log_probs = log_softmax(stack)                                     # [L, T, V]
         positions = np.arange(stack.shape[1])
-        probs = np.exp(log_probs[:, positions, predicted])                # [L, T]
+        probs = np.exp(stack[:, positions, predicted] - log_normalizer(stack))  # [L, T]
         tops = np.argmax(stack, axis=-1)                                   # [L, T]
         return {"item": item.index, "probs": probs, "text": item.text, "model": self._model,
                 "tops": np.array(self._readout.token_text(tops.ravel()), dtype=object).reshape(tops.shape),

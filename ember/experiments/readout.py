@@ -129,3 +129,12 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     shifted = np.asarray(logits, dtype=np.float64)
     shifted = shifted - shifted.max(axis=-1, keepdims=True)
     return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
+
+def log_normalizer(logits: np.ndarray) -> np.ndarray:
+    """log Σ exp(logits) over the last axis, float64 (shape without it): `log_softmax` is logits minus it,
+    for a reader of a few log-probabilities that need not form them all."""
+    shifted = np.array(logits, dtype=np.float64)  # a copy, worked on in place
+    top = shifted.max(axis=-1, keepdims=True)
+    shifted -= top
+    return top[..., 0] + np.log(np.exp(shifted, out=shifted).sum(axis=-1))
