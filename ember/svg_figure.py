@@ -4,8 +4,10 @@ A study draws a per-layer curve for each series it records, and the logit lens a
 through matplotlib each cost 60-100 ms (Agg or its SVG backend, 2-core EPYC and Xeon, quiet), three of
 them 0.2 s of a 54-fact logit lens whose engine time is 1.4 s, more than issue 25's 10% allows a study's
 own overhead. Written here as text they take about a millisecond, stay sharp at any zoom, and are what
-MLflow's artifact view and a browser show as images. Other figures (an experiment's panels, a sweep's
-points) stay matplotlib's: they are drawn once per run or sweep, and need what matplotlib offers.
+MLflow's artifact view and a browser show as images. The patching experiments' score maps (panels side
+by side) are drawn here too: through matplotlib the two of a 54-fact causal tracing took 1.4 s, most of
+its runner time. Other figures (a sweep's points, an experiment's scatter or bars) stay matplotlib's:
+they are drawn once per run or sweep, and need what matplotlib offers.
 
 Only NumPy and the standard library: the records layer imports this module.
 """
@@ -30,6 +32,11 @@ VIRIDIS = ("#440154", "#470d60", "#48186a", "#482374", "#472d7b", "#453781", "#4
            "#21918c", "#1f988b", "#1fa088", "#22a785", "#28ae80", "#32b67a", "#3fbc73", "#4ec36b",
            "#5ec962", "#70cf57", "#84d44b", "#98d83e", "#addc30", "#c2df23", "#d8e219", "#ece51b",
            "#fde725")
+# matplotlib's RdBu_r (diverging: blue below the middle, red above; patching's restored shares from −1 to
+# 1): its 11 ColorBrewer points, between which matplotlib interpolates linearly too (33 samples of its
+# table were up to 5 of 255 off).
+RDBU = ("#053061", "#2166ac", "#4393c3", "#92c5de", "#d1e5f0", "#f7f7f7", "#fddbc7", "#f4a582", "#d6604d",
+        "#b2182b", "#67001f")
 MISSING = "#ffffff"  # a cell without a finite value
 
 
@@ -72,14 +79,15 @@ def tick_text(value: float, ticks: Sequence[float]) -> str:
     return "0" if float(text) == 0 else text.replace("-", "−")
 
 
-def colours(values: np.ndarray, low: float, high: float) -> np.ndarray:
-    """Viridis hex colours of `values` scaled from `low` to `high` (clipped); MISSING where not finite."""
+def colours(values: np.ndarray, low: float, high: float, stops: Sequence[str] = VIRIDIS) -> np.ndarray:
+    """Hex colours of `values` scaled from `low` to `high` (clipped) along the colour map `stops` (VIRIDIS,
+    RDBU); MISSING where not finite."""
     values = np.asarray(values, dtype=np.float64)
     finite = np.isfinite(values)
     span = high - low if high > low else 1.0
     share = np.clip((np.where(finite, values, low) - low) / span, 0.0, 1.0)
-    stops = np.array([[int(h[i:i + 2], 16) for i in (1, 3, 5)] for h in VIRIDIS], dtype=np.float64)
-    at = np.linspace(0.0, 1.0, len(VIRIDIS))
+    at = np.linspace(0.0, 1.0, len(stops))
+    stops = np.array([[int(h[i:i + 2], 16) for i in (1, 3, 5)] for h in stops], dtype=np.float64)
     rgb = np.stack([np.interp(share, at, stops[:, c]) for c in range(3)], axis=-1)
     rgb = np.rint(rgb).astype(np.int64)
     packed = (rgb[..., 0] << 16) | (rgb[..., 1] << 8) | rgb[..., 2]
@@ -223,12 +231,24 @@ def band_figure(x: Sequence[float], mean: Sequence[float], low: Sequence[float],
 
 
 def heatmap_figure(values: np.ndarray, *, title: str, xlabel: str, ylabel: str, colour_label: str,
-                   x_labels: Sequence[str] | None = None, low: float = 0.0, high: float = 1.0) -> SvgFigure:
-    """`values` [rows, columns] as cells coloured by viridis from `low` to `high`, row 0 at the bottom
+                   x_labels: Sequence[str] | None = None, low: float = 0.0, high: float = 1.0,
+                   stops: Sequence[str] = VIRIDIS) -> SvgFigure:
+    """`values` [rows, columns] as cells coloured along `stops` from `low` to `high`, row 0 at the bottom
     (layers upwards), a colour bar on the right; `x_labels` under the columns (rotated when there are
     more than 12), integer row ticks."""
-    values = np.asarray(values, dtype=np.float64)
-    rows, columns = values.shape
+    return panels_figure([("", values)], title=title, xlabel=xlabel, ylabel=ylabel, colour_label=colour_label,
+                         x_labels=x_labels, low=low, high=high, stops=stops)
+
+
+def panels_figure(panels: Sequence[tuple[str, np.ndarray]], *, title: str, xlabel: str, ylabel: str,
+                  colour_label: str, x_labels: Sequence[str] | None = None, low: float = 0.0,
+                  high: float = 1.0, stops: Sequence[str] = VIRIDIS,
+                  y_values: Sequence[int] | None = None) -> SvgFigure:
+    """Heatmaps side by side, one per (name, values [rows, columns]) of `panels` (all of one shape), under
+    their names, sharing the colour scale and its bar on the right; each as `heatmap_figure`'s. Row r is
+    labelled y_values[r] (default r): the layers a map covers."""
+    arrays = [np.asarray(values, dtype=np.float64) for _, values in panels]
+    rows, columns = arrays[0].shape
     rotated = x_labels is not None and columns > 12
     if x_labels is None:
         label_room = 6.0
@@ -237,38 +257,49 @@ def heatmap_figure(values: np.ndarray, *, title: str, xlabel: str, ylabel: str, 
         label_room = 6.2 * max((len(s) for s in x_labels), default=1) + 12
     else:
         label_room = 13.0 * max((s.count("\n") + 1 for s in x_labels), default=1) + 8
-    width = max(600.0, 48.0 * columns + 190)
+    count = len(arrays)
+    gap = 56.0  # between panels: the next one's row ticks
+    plot_w = max(414.0 if count == 1 else 200.0, 48.0 * columns + 4)
+    left, right = 66, 120
+    width = left + count * plot_w + (count - 1) * gap + right
     height = max(400.0, 16.0 * rows + 110 + label_room)
-    left, right, top = 66, 120, 16 + 17 * (title.count("\n") + 1)
+    named = any(name for name, _ in panels)
+    top = 16 + 17 * (title.count("\n") + 1) + (18 if named else 0)
     bottom = 34 + label_room
-    plot_w, plot_h = width - left - right, height - top - bottom
+    plot_h = height - top - bottom
     cell_w, cell_h = plot_w / columns, plot_h / rows
     canvas = _Canvas(width, height)
-    fills = colours(values, low, high)
-    canvas.raw("".join(f'<rect x="{left + c * cell_w:.2f}" y="{top + (rows - 1 - r) * cell_h:.2f}" '
-                       f'width="{cell_w + 0.3:.2f}" height="{cell_h + 0.3:.2f}" fill="{fills[r, c]}"/>'
-                       for r in range(rows) for c in range(columns)))
-    canvas.rect(left, top, plot_w, plot_h, stroke="#000")
-    for r in nice_ticks(0, rows - 1, 8, integer=True):
-        y = top + (rows - 1 - r + 0.5) * cell_h
-        canvas.line(left - 4, y, left, y)
-        canvas.text(left - 7, y, f"{r:.0f}", 11, anchor="end")
-    if x_labels is not None:
-        for c, label in enumerate(x_labels[:columns]):
-            x = left + (c + 0.5) * cell_w
-            canvas.line(x, top + plot_h, x, top + plot_h + 4)
-            if rotated:
-                canvas.text(x, top + plot_h + 8, label, 10, anchor="end", rotate=-90)
-            else:
-                canvas.lines(x, top + plot_h + 8 + 6.5 * (label.count("\n") + 1), label, 10,
-                             spacing=1.3)
-    canvas.text(left + plot_w / 2, height - 12, xlabel, 12)
+    labels = list(y_values) if y_values is not None else list(range(rows))
+    for k, ((name, _), values) in enumerate(zip(panels, arrays, strict=True)):
+        x0 = left + k * (plot_w + gap)
+        fills = colours(values, low, high, stops)
+        canvas.raw("".join(f'<rect x="{x0 + c * cell_w:.2f}" y="{top + (rows - 1 - r) * cell_h:.2f}" '
+                           f'width="{cell_w + 0.3:.2f}" height="{cell_h + 0.3:.2f}" fill="{fills[r, c]}"/>'
+                           for r in range(rows) for c in range(columns)))
+        canvas.rect(x0, top, plot_w, plot_h, stroke="#000")
+        if name:
+            canvas.text(x0 + plot_w / 2, top - 10, name, 12)
+        for r in nice_ticks(0, rows - 1, 8, integer=True):
+            y = top + (rows - 1 - r + 0.5) * cell_h
+            canvas.line(x0 - 4, y, x0, y)
+            canvas.text(x0 - 7, y, f"{labels[int(r)]}", 11, anchor="end")
+        if x_labels is not None:
+            for c, label in enumerate(x_labels[:columns]):
+                x = x0 + (c + 0.5) * cell_w
+                canvas.line(x, top + plot_h, x, top + plot_h + 4)
+                if rotated:
+                    canvas.text(x, top + plot_h + 8, label, 10, anchor="end", rotate=-90)
+                else:
+                    canvas.lines(x, top + plot_h + 8 + 6.5 * (label.count("\n") + 1), label, 10,
+                                 spacing=1.3)
+    canvas.text((left + width - right) / 2, height - 12, xlabel, 12)
     canvas.text(18, top + plot_h / 2, ylabel, 12, rotate=-90)
-    canvas.lines(width / 2, top / 2 + 2, title, 13)
+    canvas.lines(width / 2, (16 + 17 * (title.count("\n") + 1)) / 2 + 2, title, 13)
     bar_x = width - right + 22
-    stops = "".join(f'<stop offset="{i / (len(VIRIDIS) - 1):.4f}" stop-color="{c}"/>'
-                    for i, c in enumerate(VIRIDIS))
-    canvas.raw(f'<defs><linearGradient id="bar" x1="0" y1="1" x2="0" y2="0">{stops}</linearGradient></defs>')
+    gradient = "".join(f'<stop offset="{i / (len(stops) - 1):.4f}" stop-color="{c}"/>'
+                       for i, c in enumerate(stops))
+    canvas.raw(f'<defs><linearGradient id="bar" x1="0" y1="1" x2="0" y2="0">{gradient}'
+               '</linearGradient></defs>')
     canvas.rect(bar_x, top, 16, plot_h, fill="url(#bar)", stroke="#000")
     bar_ticks = nice_ticks(low, high, 6)
     for t in bar_ticks:

@@ -12,12 +12,14 @@ import pytest
 
 from ember.svg_figure import (
     MISSING,
+    RDBU,
     VIRIDIS,
     SvgFigure,
     band_figure,
     colours,
     heatmap_figure,
     nice_ticks,
+    panels_figure,
     tick_text,
 )
 
@@ -127,3 +129,33 @@ def test_many_columns_get_rotated_single_line_labels():
                             colour_label="c", x_labels=[f"{i}\nword" for i in range(20)])
     labels = [t for t in _tree(figure).iter(f"{SVG}text") if (t.text or "").endswith(" word")]
     assert len(labels) == 20 and all("rotate(-90" in t.get("transform") for t in labels)
+
+
+def test_rdbu_is_matplotlibs():
+    from matplotlib import colormaps
+
+    values = np.random.default_rng(2).uniform(-1.0, 1.0, 500)
+    ours = np.array([[int(h[i:i + 2], 16) for i in (1, 3, 5)] for h in colours(values, -1.0, 1.0, RDBU)])
+    theirs = np.rint(colormaps["RdBu_r"]((values + 1.0) / 2.0)[:, :3] * 255)
+    assert np.abs(ours - theirs).max() <= 3
+
+
+def test_panels_share_one_scale_and_label_their_rows_with_the_layers():
+    first, second = np.full((3, 2), -1.0), np.full((3, 2), 1.0)
+    second[2, 1] = 0.0
+    figure = panels_figure([("residual", first), ("mlp", second)], title="maps", xlabel="", ylabel="layer",
+                           colour_label="restored", x_labels=["a", "b"], low=-1.0, high=1.0, stops=RDBU,
+                           y_values=[4, 7, 9])
+    root = _tree(figure)
+    cells = [r for r in root.iter(f"{SVG}rect") if r.get("fill", "").startswith("#")
+             and r.get("stroke") is None][1:]
+    assert len(cells) == 12
+    left = sorted(cells, key=lambda r: float(r.get("x")))
+    assert {r.get("fill") for r in left[:6]} == {RDBU[0]}  # the first panel: all −1, blue
+    assert sorted(r.get("fill") for r in left[6:]) == sorted([RDBU[-1]] * 5 + [colours(np.array([0.0]), -1, 1,
+                                                                                            RDBU)[0]])
+    top_right = min(left[6:], key=lambda r: (float(r.get("y")), -float(r.get("x"))))
+    assert top_right.get("fill") == RDBU[5]  # row 2 (top) of the second panel, column 1: the middle, 0
+    texts = _texts(root)
+    assert {"residual", "mlp", "maps", "restored", "4", "7", "9", "a", "b", "−1.0", "1.0"} <= set(texts)
+    assert [s.get("stop-color") for s in root.iter(f"{SVG}stop")] == list(RDBU)

@@ -54,7 +54,7 @@ from ember.experiments.results import ExperimentResult, Metric
 from ember.experiments.study import Evaluation, ItemResult, StudyItem
 
 if TYPE_CHECKING:
-    from matplotlib.figure import Figure
+    from ember.svg_figure import SvgFigure
 
 SITES = ("residual", "attention", "mlp")
 SPANS = ("each", "all", "none")
@@ -234,15 +234,15 @@ class ActivationPatching(Experiment):
 
 
 def _class_figure(mean: np.ndarray, sites: Sequence[str], layers: Sequence[int], items: int,
-                  model: str = "") -> Figure:
+                  model: str = "") -> SvgFigure:
     return score_maps(list(zip(sites, mean, strict=True)), layers, [c.replace("_", "\n") for c in CLASSES],
                       f"activation patching, mean over n = {items} items" + (f" ({model})" if model else ""))
 
 
-def _item_figure(entry: dict[str, Any], sites: Sequence[str]) -> Figure:
+def _item_figure(entry: dict[str, Any], sites: Sequence[str]) -> SvgFigure:
     labels = [token_label(p, a) + ("" if a == b else f"\n{shorten(repr(b), 12)}")
               for p, (a, b) in enumerate(entry["tokens"])]
     model = entry.get("model")
     return score_maps(list(zip(sites, entry["scores"], strict=True)), entry["layers"], labels,
                       f"activation patching, item {entry['item']}" + (f" ({model})" if model else ""),
-                      xlabel="position (clean token; corrupted token below where it differs)", fontsize=7)
+                      xlabel="position (clean token; corrupted token below where it differs)")

@@ -54,7 +54,7 @@ from ember.experiments.results import ExperimentResult, Metric
 from ember.experiments.study import Evaluation, ItemResult, StudyItem
 
 if TYPE_CHECKING:
-    from matplotlib.figure import Figure
+    from ember.svg_figure import SvgFigure
 
 POSITIONS = ("all", "changed", "last")
 TOP_HEADS = 10  # rows per position class in the `top_heads` table
@@ -234,7 +234,7 @@ class HeadPatching(Experiment):
         return ExperimentResult(metrics=metrics, tables={"heads": rows, "top_heads": top}, arrays=arrays,
                                 figure_builders=builders)
 
-    def _figure(self, scores: np.ndarray, title: str) -> Figure:
+    def _figure(self, scores: np.ndarray, title: str) -> SvgFigure:
         """Layers x heads, one panel per position class."""
         return score_maps(list(zip(self.positions, scores, strict=True)), self._layers(), self._columns(),
                           title, xlabel="head")

@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from ember.errors import ConfigError
 from ember.experiments.study import StudyItem
-
-if TYPE_CHECKING:
-    from matplotlib.figure import Figure
+from ember.svg_figure import RDBU, SvgFigure, panels_figure
 
 SCORE_LABEL = "share of logit difference restored"
 
@@ -73,22 +71,10 @@ def token_pairs(readout: Any, item: StudyItem) -> list[tuple[str, str]]:
 
 
 def score_maps(panels: Sequence[tuple[str, np.ndarray]], layers: Sequence[int], columns: Sequence[str],
-               title: str, xlabel: str = "", fontsize: int = 8, label: str = SCORE_LABEL) -> Figure:
-    """Maps of restored shares (−1…1, red: restored; or another score on that scale, `label`), one panel
-    per (name, [layers, columns]) array, layers upwards."""
-    from matplotlib.figure import Figure
-
-    width = max(4.0, 0.45 * len(columns) + 2.2)
-    figure = Figure(figsize=(width * len(panels) + 1, max(4, 0.22 * len(layers) + 1.5)), layout="constrained")
-    axes = figure.subplots(1, len(panels), squeeze=False)[0]
-    for ax, (name, scores) in zip(axes, panels, strict=True):
-        image = ax.imshow(scores, aspect="auto", origin="lower", cmap="RdBu_r", vmin=-1, vmax=1,
-                          extent=(-0.5, len(columns) - 0.5, layers[0] - 0.5, layers[-1] + 0.5))
-        ax.set_xticks(range(len(columns)), columns, fontsize=fontsize)
-        if xlabel:
-            ax.set_xlabel(xlabel)
-        ax.set_ylabel("layer")
-        ax.set_title(name)
-    figure.colorbar(image, ax=axes, label=label)
-    figure.suptitle(title)
-    return figure
+               title: str, xlabel: str = "", label: str = SCORE_LABEL) -> SvgFigure:
+    """Maps of restored shares (−1…1: blue, white at 0, red; or another score on that scale, `label`), one
+    panel per (name, [layers, columns]) array, layers upwards, written as SVG text (`ember.svg_figure`:
+    through matplotlib the two maps of a 54-fact causal tracing took 1.4 of its 1.5-1.9 s of runner time,
+    Zen 3 EPYC, 2026-12-07)."""
+    return panels_figure(panels, title=title, xlabel=xlabel, ylabel="layer", colour_label=label,
+                         x_labels=columns, low=-1.0, high=1.0, stops=RDBU, y_values=layers)

@@ -75,7 +75,7 @@ from ember.experiments.results import ExperimentResult, Metric
 from ember.experiments.study import Evaluation, ItemResult, StudyItem
 
 if TYPE_CHECKING:
-    from matplotlib.figure import Figure
+    from ember.svg_figure import SvgFigure
 
 CHANNELS = dict(zip("qkv", stages.ATTENTION_INPUTS, strict=True))  # channel → the stage it patches
 SCORE_LABEL = "(LD patched − LD clean) / (LD clean − LD corrupted)"
@@ -322,7 +322,7 @@ class PathPatching(Experiment):
         heads = ", ".join(f"{layer}.{head}" for layer, head in self.receivers)
         return f"path patching, every sender head → {heads} ({self.channel})"
 
-    def _figure(self, scores: np.ndarray, title: str) -> Figure:
+    def _figure(self, scores: np.ndarray, title: str) -> SvgFigure:
         return score_maps([("senders", scores)], list(range(self._layer_count)),
                           [str(h) for h in range(self._head_count)], title, xlabel="head", label=SCORE_LABEL)
 
