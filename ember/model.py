@@ -351,14 +351,10 @@ class Model:
                    for entry in entries]
         for index, entry in enumerate(entries):
             try:
-                check_entry(entry, layer_count)
+                check_entry(entry, layer_count, self.config.vocab_size)
             except ValueError as error:
                 raise ConfigError(f"batch sequence {index}: {error}") from None
             self.tokenize(entry.token_ids)  # ids inside the vocabulary
-            vocab = self.config.vocab_size
-            if entry.logit_ids is not None and not np.all((entry.logit_ids >= 0) & (entry.logit_ids < vocab)):
-                raise ConfigError(f"batch sequence {index}: logit_ids {entry.logit_ids.tolist()} go outside "
-                                  f"the vocabulary's {vocab} entries")
             if len(entry.token_ids) > self.context_length:
                 raise ContextLengthError(f"batch sequence {index} has {len(entry.token_ids)} tokens; the "
                                          f"context holds {self.context_length}")

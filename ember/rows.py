@@ -78,11 +78,20 @@ class BatchEntry:
         return len(self.token_ids) - self.start
 
 
-def check_entry(entry: BatchEntry, layer_count: int) -> None:
-    """Refuse an entry whose reuse would not mean what it says (ValueError naming the field)."""
+def check_logit_ids(ids: np.ndarray, vocab_size: int) -> None:
+    """Refuse logit ids outside the vocabulary (ValueError naming them)."""
+    if not np.all((ids >= 0) & (ids < vocab_size)):
+        raise ValueError(f"logit_ids {ids.tolist()} go outside the vocabulary's {vocab_size} entries")
+
+
+def check_entry(entry: BatchEntry, layer_count: int, vocab_size: int) -> None:
+    """Refuse an entry whose reuse would not mean what it says, or whose logit ids are outside the
+    vocabulary (ValueError naming the field)."""
     T = len(entry.token_ids)
     if T == 0:
         raise ValueError("a batch entry has no tokens")
+    if entry.logit_ids is not None:
+        check_logit_ids(entry.logit_ids, vocab_size)
     if not 0 <= entry.start < T:
         raise ValueError(f"start {entry.start} is outside the sequence's {T} positions")
     if not 0 <= entry.first_layer < layer_count:

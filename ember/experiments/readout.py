@@ -125,10 +125,8 @@ class Readout:
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
-    """float64 log-softmax over the last axis."""
-    shifted = np.asarray(logits, dtype=np.float64)
-    shifted = shifted - shifted.max(axis=-1, keepdims=True)
-    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+    """float64 log-softmax over the last axis: logits minus `log_normalizer`."""
+    return np.asarray(logits, dtype=np.float64) - log_normalizer(logits)[..., None]
 
 
 def log_normalizer(logits: np.ndarray) -> np.ndarray:

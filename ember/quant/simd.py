@@ -89,8 +89,13 @@ def _accumulate(context, builder, acc_type, acc, acc_at, x_type, x, x_at, values
 
 def _bytes(context, builder, src_type, src, at):
     """16 bytes of src from byte `at`, zero-extended to 32-bit lanes."""
-    loaded = builder.load(_lanes(context, builder, src_type, src, at, _I8), align=1)
-    return builder.zext(loaded, _vector(_I32))
+    return builder.zext(_byte_lanes(context, builder, src_type, src, at), _vector(_I32))
+
+
+def _byte_lanes(context, builder, src_type, src, at):
+    """16 bytes of src from byte `at`, as a vector of 16 bytes (bit work on bytes: one 128-bit register
+    where 32-bit lanes take four)."""
+    return builder.load(_lanes(context, builder, src_type, src, at, _I8), align=1)
 
 
 def _const(value: int):
@@ -421,12 +426,6 @@ fma_q5_k_block = intrinsic(_k_block(fifth_bits=True))
 fma_q5_k_block.__doc__ = "As fma_q4_k_block for a Q5_K super-block (176 bytes, fifth bits at bytes 16…47)."
 
 
-def _byte_lanes(context, builder, src_type, src, at):
-    """16 bytes of src from byte `at`, as a vector of 16 bytes (bit work on bytes: one 128-bit register
-    where 32-bit lanes take four)."""
-    return builder.load(_lanes(context, builder, src_type, src, at, _I8), align=1)
-
-
 def _byte_const(value: int):
     return ir.Constant(_vector(_I8), [value] * LANES)
 
@@ -486,7 +485,7 @@ def signed_scales(typingctx, src, at, d, out):
 
     def codegen(context, builder, sig, args):
         src_v, at_v, d_v, out_v = _canonical(context, builder, sig, args)
-        raw = builder.load(_lanes(context, builder, sig.args[0], src_v, at_v, _I8), align=1)
+        raw = _byte_lanes(context, builder, sig.args[0], src_v, at_v)
         values = builder.fmul(builder.sitofp(raw, _vector(_F32)), _splat(builder, d_v))
         _store_floats(context, builder, sig.args[3], out_v, ir.Constant(_I64, 0), values)
         return context.get_dummy_value()

@@ -36,7 +36,7 @@ from ember.experiments.runner import ExperimentRunner
 from ember.experiments.study import Evaluation, ItemResult, StudyItem
 from ember.records.tracker import experiment_folder
 from ember.records.values import figure_suffix
-from ember.rows import BatchEntry
+from ember.rows import BatchEntry, check_logit_ids
 from ember.runconfig import build_experiments
 from ember.runs.checkpoint import Interval
 from ember.runs.effect import LogitsRecorder, intervention_effect
@@ -383,8 +383,10 @@ def _read(logits: np.ndarray, request: Evaluation) -> np.ndarray:
     if request.logit_ids is None:
         return logits
     ids = np.asarray(request.logit_ids, np.int64)
-    if not np.all((ids >= 0) & (ids < len(logits))):
-        raise ConfigError(f"logit_ids {ids.tolist()} go outside the vocabulary's {len(logits)} entries")
+    try:
+        check_logit_ids(ids, len(logits))
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
     return logits[ids]
 
 
