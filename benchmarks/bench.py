@@ -11,8 +11,9 @@ Models are ember's known names (smollm2-135m, gemma3-270m), the synthetic shapes
 benchmarks/synthetic.py (written into the ember cache on first use), `ladder` (all of them, smallest
 first), `families` (benchmarks/ladder.py FAMILIES: Qwen2.5-7B, Phi-4-mini, Gemma-2-9B, OLMo-2-7B,
 SmolLM3-3B, gpt-oss-20b, Granite-3.3-2B, Ministral-3-3B shapes) or `--gguf PATH`. Engines: `ember` (its
-default weights), `ember:float32` / `ember:quantized` (`ember.load_model(..., weights=...)`, passed only
-when this ember has the option), `llama.cpp`, `transformers`.
+default weights), `ember:float32` / `ember:quantized` / `ember:quantized-q8` (`ember.load_model(...,
+weights=...)`, passed only when this ember has the option; quantized-q8 rounds decode's K-quant
+activations to 8 bits as llama.cpp does), `llama.cpp`, `transformers`.
 
 Every measurement runs in its own fresh subprocess, so load times start with nothing warm in memory and
 each peak RSS belongs to one engine. For every repeat and engine there are two processes:
@@ -67,7 +68,7 @@ from benchmarks.memory_guard import (
 )
 
 ENGINES = ("ember", "llama.cpp", "transformers")
-EMBER_WEIGHTS = ("quantized", "float32")
+EMBER_WEIGHTS = ("quantized", "float32", "quantized-q8")
 REPO_ROOT = Path(__file__).resolve().parents[1]
 OPENBLAS_VARIABLES = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
 
@@ -330,7 +331,7 @@ def estimate_resident_bytes(kind: str, weights: str | None, gguf: Path) -> int:
 def _ember_quantized(weights: str | None) -> bool:
     """Whether an `ember[:weights]` worker keeps quantized weights (the default once ember has them)."""
     if weights is not None:
-        return weights == "quantized"
+        return weights != "float32"
     return ember_has_weights_option()
 
 

@@ -57,8 +57,10 @@ def _common(records: bool = True) -> argparse.ArgumentParser:
     group.add_argument("--context-length", type=int, default=None, help="KV cache length (default: model's)")
     group.add_argument("--threads", type=int, default=None,
                        help="engine/BLAS threads (default: the cores other processes leave free)")
-    group.add_argument("--weights", choices=("quantized", "float32"), default="quantized",
-                       help="keep weights in the file's encoding, or dequantize them (default: %(default)s)")
+    group.add_argument("--weights", choices=("quantized", "float32", "quantized-q8"), default="quantized",
+                       help="keep weights in the file's encoding, or dequantize them; quantized-q8: also "
+                       "round decode's Q4_K/Q6_K activations to 8 bits as llama.cpp does (faster, not "
+                       "float32-exact) (default: %(default)s)")
     group.add_argument("--experiment", action="append", default=[], metavar="NAME[:k=v,...]",
                        help="attach an experiment (generate only; refused with inspection surfaces)")
     group.add_argument("--trace", metavar="FILE", default=None,

@@ -34,13 +34,13 @@ from ember.gguf_file import GGUFFile
 from ember.kv_cache import SlidingWindowKV
 from ember.memory import available_memory, estimate_memory
 from ember.memory import check_memory as memory_check
-from ember.quant import compute_threads, jit_unavailable
+from ember.quant import compute_threads, jit_unavailable, q8_available
 from ember.rows import BatchEntry, BatchRows, SavedState, check_entry
 from ember.sampling import Sampler, SamplingSettings
 from ember.sources import ModelFile, resolve_model
 from ember.tokenizer import Tokenizer
 from ember.tracing import Tracer, TracingHooks
-from ember.weights import FLOAT32, QUANTIZED, WEIGHT_MODES, WeightStore, remove_old_weight_cache
+from ember.weights import FLOAT32, QUANTIZED, QUANTIZED_Q8, WEIGHT_MODES, WeightStore, remove_old_weight_cache
 
 
 @dataclass(frozen=True, slots=True)
@@ -463,8 +463,10 @@ def load_model(
     threads: BLAS and kernel threads (default: the cores this process may run on that other processes
     leave free, looked at once a process (`ember.cores`); one line on stderr when that is fewer).
     weights: "quantized" (default: the file's own encoding, mapped, multiplied by numba kernels) or
-    "float32" (dequantized at load, BLAS everywhere: 4–8× the memory). Where numba cannot run,
-    "quantized" falls back to "float32" with a one-line notice on stderr.
+    "float32" (dequantized at load, BLAS everywhere: 4–8× the memory), or "quantized-q8" (as
+    "quantized", but decode's Q4_K/Q6_K products round activations to 8 bits as llama.cpp does: faster,
+    no longer float32-exact; `ember.quant.q8`). Where numba cannot run, the quantized modes fall back to
+    "float32" with a one-line notice on stderr.
     check_memory: refuse (`ember.memory.MemoryLimitError`) a model that would not fit in the memory
     available, before allocating anything.
     With a tracer: spans `load` around `resolve`, `gguf` (header and config), `tokenizer`, `weights`."""
@@ -497,10 +499,13 @@ def _load_model(source: str | os.PathLike[str] | ModelFile, context_length: int 
         )
     choice = thread_choice(threads)  # the cores others leave free, unless asked
     announce(choice)
-    if weights == QUANTIZED and (reason := jit_unavailable()) is not None:
+    if weights != FLOAT32 and (reason := jit_unavailable()) is not None:
         print(f"ember: {reason}; weights are dequantized to float32 instead (more memory, slower decode)",
               file=sys.stderr, flush=True)
         weights = FLOAT32
+    if weights == QUANTIZED_Q8 and not q8_available():
+        print("ember: 8-bit activation products need a CPU with AVX2; activations stay float32",
+              file=sys.stderr, flush=True)
     family = FAMILIES[config.architecture]
     if check_memory:
         needed = estimate_memory(gguf, config, family.cache_specs(config), context_length, weights)
@@ -511,7 +516,7 @@ def _load_model(source: str | os.PathLike[str] | ModelFile, context_length: int 
     store = WeightStore(gguf, weights)
     with compute_threads(choice.threads), step("weights"):
         forward = family.build_forward(config, store, context_length)
-        if weights == QUANTIZED:
+        if weights != FLOAT32:
             from ember.quant.jit import release_compiler_pages
             from ember.quant.matrix import warm_up
 

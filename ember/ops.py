@@ -62,6 +62,8 @@ def linear_at(x: np.ndarray, weight: Any, out: np.ndarray, columns: np.ndarray |
     patching's multiply-adds)."""
     if columns is None:
         return linear(x, weight, out)
+    if getattr(weight, "q8", False):  # activations rounded (weights="quantized-q8"): the full head's sums
+        return weight.picked(columns).matmul(x, out)
     picked = gather_rows(weight, columns, np.empty((len(columns), x.shape[1]), np.float32))
     return np.matmul(x, picked.T, out=out)
 

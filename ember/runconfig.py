@@ -29,7 +29,7 @@ _TOP_LEVEL_KEYS = {
     "senders", "receivers", "channel",  # experiment=path_patching's, passed on as ${senders} …
 }
 _MODEL_KEYS = {"source", "family", "context_length", "weights"}
-_WEIGHT_MODES = ("quantized", "float32")
+_WEIGHT_MODES = ("quantized", "float32", "quantized-q8")
 _SAMPLING_KEYS = {"temperature", "top_k", "top_p", "min_p", "seed"}
 _MLFLOW_KEYS = {"tracking_uri", "experiment_name", "enabled"}
 _CHAT_ROLES = {"system", "user", "assistant"}

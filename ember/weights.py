@@ -9,6 +9,9 @@
 * mode `"float32"`: every matrix is dequantized into process memory at load (gguf-py and NumPy, no
   JIT), and BLAS multiplies everything. About 4–8× the file's size in memory; what ember falls back to
   when the kernels cannot run.
+* mode `"quantized-q8"`: as "quantized", but the products of Q4_K and Q6_K matrices round their
+  activations to 8 bits first, as llama.cpp does (`ember.quant.q8`): faster decode, activations no
+  longer float32-exact (about 1/254 of a 256-value block's largest value). Opt-in.
 
 Embedding tables that are not also the LM head are never dequantized whole in either mode: `table()`
 returns something whose `rows(ids, out)` decodes only the requested rows.
@@ -26,8 +29,8 @@ from gguf import GGMLQuantizationType
 from ember.errors import GGUFError
 from ember.gguf_file import GGUFFile
 
-QUANTIZED, FLOAT32 = "quantized", "float32"
-WEIGHT_MODES = (QUANTIZED, FLOAT32)
+QUANTIZED, FLOAT32, QUANTIZED_Q8 = "quantized", "float32", "quantized-q8"
+WEIGHT_MODES = (QUANTIZED, FLOAT32, QUANTIZED_Q8)
 
 
 def kernel_types() -> dict[int, Any]:
@@ -113,7 +116,7 @@ class WeightStore:
 
         raw = self.gguf.raw(name)  # F16 comes as float16, BF16 as uint16: the kernels read bytes
         return QuantizedMatrix(name, raw.view(np.uint8).reshape(info.shape[0], -1), int(info.ggml_type),
-                               info.shape)
+                               info.shape, q8=self.mode == QUANTIZED_Q8)
 
     def experts(self, name: str) -> list[Any]:
         """A 3-D tensor of experts stacked along its first axis ([experts, out, in], GGUF ne [in, out,
@@ -137,8 +140,8 @@ class WeightStore:
         from ember.quant.matrix import QuantizedMatrix
 
         blocks = raw.view(np.uint8).reshape(count, rows, -1)  # F16 comes as float16, BF16 as uint16
-        return [QuantizedMatrix(f"{name}[{e}]", blocks[e], int(info.ggml_type), (rows, columns))
-                for e in range(count)]
+        return [QuantizedMatrix(f"{name}[{e}]", blocks[e], int(info.ggml_type), (rows, columns),
+                                q8=self.mode == QUANTIZED_Q8) for e in range(count)]
 
     def stack(self, parts: Sequence[Any]) -> Any:
         """Weights already in hand (`matrix`, `experts` slices) stacked along their rows, as `stacked`."""

@@ -78,7 +78,7 @@ def test_float32_mode_dequantizes_at_load(model_file):
     assert type(a) is np.ndarray and a.dtype == np.float32 and not a.flags.writeable
     np.testing.assert_array_equal(a, f.dequantize("blk.0.attn_q.weight"))
     assert store.full_dequantizations["blk.0.attn_q.weight"] == 1
-    with pytest.raises(ValueError, match="weights must be one of quantized, float32"):
+    with pytest.raises(ValueError, match="weights must be one of quantized, float32, quantized-q8"):
         WeightStore(f, "float16")
 
 

@@ -4,6 +4,7 @@
     kernels.py   the records (each type's decoder, bit-identical to gguf-py, and row product) and the
                  parallel drivers
     matrix.py    QuantizedMatrix / StackedMatrix: matmul (decode and prefill), rows, dequantize
+    q8.py        decode's products with activations rounded to 8 bits, as llama.cpp computes them (opt-in)
 
 numba compiles the kernels the first time they run and keeps the machine code in
 `<ember cache>/jit/<digest>` (`jit_cache_dir()`; `NUMBA_CACHE_DIR`, unless already set), so later
@@ -24,7 +25,7 @@ from pathlib import Path
 # (kernels.py, token_ops.py) alone: after a change to simd.py or blocks.py only, it loaded the old
 # machine code (seen 2026-12-06: an edited simd.py primitive was not in the kernels until the cache
 # was deleted). The cache folder is named by a digest of all of them instead.
-KERNEL_SOURCES = ("blocks.py", "jit.py", "kernels.py", "simd.py", "token_ops.py")
+KERNEL_SOURCES = ("blocks.py", "jit.py", "kernels.py", "q8.py", "simd.py", "token_ops.py")
 
 
 def jit_cache_dir(sources: Path = Path(__file__).parent) -> Path:
@@ -48,6 +49,13 @@ def jit_unavailable() -> str | None:
     except Exception as error:  # ImportError, or llvmlite failing to start on this platform
         return f"numba cannot be used here ({type(error).__name__}: {error})"
     return None
+
+
+def q8_available() -> bool:
+    """Whether the 8-bit activation products (`ember.quant.q8`, AVX2 instructions) can run on this CPU."""
+    from ember.quant import simd
+
+    return simd.has_avx2()
 
 
 @contextmanager

@@ -35,7 +35,7 @@ import numpy as np
 from ember import parallel
 from ember.buffers import aligned_empty
 from ember.ops import linear
-from ember.quant import kernels, simd
+from ember.quant import kernels, q8, simd
 
 # A prefill tile holds at most TILE_VALUES weights (8 MB as float32: each thread's scratch) and, where W
 # has the rows, at least MIN_TILE_ROWS rows (BLAS is slow on narrow products), and W is cut into at
@@ -97,6 +97,12 @@ KERNEL_PARTS = 3
 _scratch = threading.local()
 
 
+def q8_supports(parts: Sequence[QuantizedMatrix]) -> bool:
+    """Whether `q8.matvec` multiplies these matrices: all Q4_K or Q6_K (whole 256-value blocks), on a
+    CPU with AVX2; other block types keep float32 activations in every mode."""
+    return q8.AVAILABLE and all(q8.supports(part.ggml_type) for part in parts)
+
+
 def tile_rows(rows: int, columns: int) -> int:
     """The rows of one prefill tile of a [rows, columns] matrix: a multiple of 16, by shape alone."""
     by_count = -(-rows // MIN_TILES)
@@ -150,6 +156,39 @@ def _matvec(groups: list[KernelGroup], x: np.ndarray, out: np.ndarray) -> np.nda
     return out
 
 
+class QuantizedActivation:
+    """Activation rows x [T, columns] rounded to 8 bits as `q8.quantize_q8_k` rounds them, with their
+    block sums, one row of each array per row of x."""
+
+    def __init__(self, x: np.ndarray) -> None:
+        tokens, columns = x.shape
+        blocks = columns // q8.BLOCK
+        self.values = np.empty((tokens, columns), np.int8)
+        self.scales = np.empty((tokens, blocks), np.float32)
+        self.sums16 = np.empty((tokens, 16 * blocks), np.int32)
+        self.sums32 = np.empty((tokens, 8 * blocks + 8), np.int32)  # padded: a super-block reads 8 at a time
+        for t in range(tokens):
+            q8.quantize_q8_k(x[t], self.values[t], self.scales[t], self.sums16[t], self.sums32[t])
+
+    def operands(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        return self.values, self.scales, self.sums16, self.sums32
+
+
+def _rounded_product(groups: list[KernelGroup], x: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """out = x Wᵀ with the rows of x rounded to 8 bits (`ember.quant.q8`), every part of W Q4_K or Q6_K:
+    decode and prompts alike, on the threads as `_small_batch`."""
+    if x.shape[0] == 0:
+        return out
+    operands = QuantizedActivation(x).operands()
+    contiguous = out if out.flags.c_contiguous else np.empty(out.shape, np.float32)
+    piece = max(4, PIECE_VALUES // x.size // 4 * 4)
+    _on_threads(groups, out.shape[1], piece, out.shape[1] * x.size, lambda group, counter: q8.matmul(
+        *group, *operands, contiguous, kernels.F16_TABLE, counter, piece))
+    if contiguous is not out:
+        out[...] = contiguous
+    return out
+
+
 def _small_batch(groups: list[KernelGroup], x: np.ndarray, out: np.ndarray) -> np.ndarray:
     """`kernels.matmul_rows` on contiguous operands (one compiled variant; the copies are a few rows)."""
     if x.shape[0] == 0:  # a batch's layer that no sequence has reached yet
@@ -178,12 +217,18 @@ def multiply_each(products: Sequence[tuple[object, np.ndarray, np.ndarray]]) -> 
         groups = getattr(weight, "_groups", None)
         if x.shape[0] == 0:
             continue
-        if groups is None or x.shape[0] >= SMALL_BATCH:
+        rounded = groups is not None and weight.q8
+        if groups is None or (x.shape[0] >= SMALL_BATCH and not rounded):
             linear(x, weight, out)
             continue
         single = x.shape[0] == 1
-        piece = max(16, PIECE_VALUES // x.shape[1] // 16 * 16) if single else max(4, PIECE_VALUES // x.size)
-        rows = np.ascontiguousarray(x)
+        if rounded:
+            piece = max(4, PIECE_VALUES // x.size // 4 * 4)
+            rows = QuantizedActivation(x)
+        else:
+            piece = (max(16, PIECE_VALUES // x.shape[1] // 16 * 16) if single
+                     else max(4, PIECE_VALUES // x.size))
+            rows = np.ascontiguousarray(x)
         calls.extend((group, rows, out, piece, single) for group in groups)
         pieces += -(-out.shape[1] // piece) * len(groups)
         work += out.shape[1] * x.size
@@ -193,7 +238,9 @@ def multiply_each(products: Sequence[tuple[object, np.ndarray, np.ndarray]]) -> 
 
     def run(_: int) -> None:
         for (group, x, out, piece, single), counter in zip(calls, counters, strict=True):
-            if single:
+            if isinstance(x, QuantizedActivation):
+                q8.matmul(*group, *x.operands(), out, kernels.F16_TABLE, counter, piece)
+            elif single:
                 kernels.matvec(*group, x[0], out[0], kernels.F16_TABLE, counter, piece)
             else:
                 kernels.matmul_rows(*group, x, out, kernels.F16_TABLE, HALF, counter, piece)
@@ -262,12 +309,15 @@ class QuantizedMatrix:
     block type, one of `ember.quant.blocks.BLOCK_TYPES` (declared in `kernels`).
     """
 
-    def __init__(self, name: str, data: np.ndarray, ggml_type: int, shape: tuple[int, int]) -> None:
+    def __init__(self, name: str, data: np.ndarray, ggml_type: int, shape: tuple[int, int],
+                 q8: bool = False) -> None:
         self.name = name
         self.data = data.view()
         self.data.flags.writeable = False  # the mapped file's type: one compiled variant of each kernel
         self.ggml_type = int(ggml_type)
         self.shape = shape
+        # decode's product rounds x to 8 bits (`ember.quant.q8`, weights="quantized-q8")
+        self.q8 = q8 and q8_supports([self])
 
     @functools.cached_property
     def _groups(self) -> list[KernelGroup]:
@@ -285,13 +335,20 @@ class QuantizedMatrix:
 
     def matmul(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
         """out = x @ Wᵀ for x [T, columns]; out [T, rows] may be a column slice of a wider buffer."""
-        if x.shape[0] == 1:
+        if self.q8:
+            _rounded_product(self._groups, x, out)
+        elif x.shape[0] == 1:
             _matvec(self._groups, x, out)
         elif x.shape[0] < SMALL_BATCH:
             _small_batch(self._groups, x, out)
         else:
             _tiled(((self, 0),), x, out)
         return out
+
+    def picked(self, ids: np.ndarray) -> QuantizedMatrix:
+        """The matrix of rows ids[0], ids[1], … (their bytes copied), multiplied as this one is."""
+        return QuantizedMatrix(self.name, self.data[ids], self.ggml_type, (len(ids), self.shape[1]),
+                               q8=self.q8)
 
     def rows(self, ids: np.ndarray, out: np.ndarray) -> np.ndarray:
         """out[i] = row ids[i], decoded (ids must be valid row numbers)."""
@@ -318,6 +375,7 @@ class StackedMatrix:
         self.offsets = list(itertools.accumulate((part.shape[0] for part in self.parts), initial=0))
         # decode multiplies every part in one kernel call when none of them is a float32 array
         self._quantized = all(isinstance(part, QuantizedMatrix) for part in self.parts)
+        self.q8 = self._quantized and all(part.q8 for part in self.parts)
 
     @functools.cached_property
     def _groups(self) -> list[KernelGroup] | None:
@@ -330,6 +388,8 @@ class StackedMatrix:
         return sum(int(part.nbytes) for part in self.parts)
 
     def matmul(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
+        if self.q8:
+            return _rounded_product(self._groups, x, out)
         if x.shape[0] == 1 and self._quantized:
             return _matvec(self._groups, x, out)
         if x.shape[0] < SMALL_BATCH and self._quantized:

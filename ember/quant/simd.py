@@ -320,6 +320,20 @@ def _k_scales(context, builder, src_type, src, at, d, dmin):
     src[at…], as float vectors (d·scale_j, −(dmin·min_j)), j = 0…7 (ggml's get_scale_min_k4: j < 4 the
     low 6 bits of bytes j and j+4; j ≥ 4 a nibble of byte j+4 and the top 2 bits of bytes j−4 and j).
     Reads 16 bytes from `at` (the block's quants follow its scales)."""
+    scale, minimum = _k_scale_ints(context, builder, src_type, src, at)
+    floats = ir.VectorType(_F32, 8)
+
+    def times(values, factor):
+        factors = _shuffle(builder, builder.insert_element(ir.Constant(floats, ir.Undefined), factor,
+                                                           ir.Constant(_I32, 0)), [0] * 8)
+        return builder.fmul(factors, builder.uitofp(values, floats))
+
+    return times(scale, d), builder.fneg(times(minimum, dmin))
+
+
+def _k_scale_ints(context, builder, src_type, src, at):
+    """A Q4_K/Q5_K super-block's 8 six-bit sub-block scales and minimums (scale_j, min_j), j = 0…7, as
+    two vectors of 8 int32 lanes, from its 12 packed bytes at src[at…] (reads 16 bytes)."""
     raw = builder.zext(builder.load(_lanes(context, builder, src_type, src, at, _I8), align=1), _vector(_I32))
     eight = ir.VectorType(_I32, 8)
 
@@ -337,14 +351,7 @@ def _k_scales(context, builder, src_type, src, at, d, dmin):
     top = builder.shl(builder.lshr(minimum_top, const8(6)), const8(4))
     minimum = builder.select(first_four, builder.and_(minimum_low, const8(63)),
                              builder.or_(builder.lshr(minimum_low, const8(4)), top))
-    floats = ir.VectorType(_F32, 8)
-
-    def times(values, factor):
-        factors = _shuffle(builder, builder.insert_element(ir.Constant(floats, ir.Undefined), factor,
-                                                           ir.Constant(_I32, 0)), [0] * 8)
-        return builder.fmul(factors, builder.uitofp(values, floats))
-
-    return times(scale, d), builder.fneg(times(minimum, dmin))
+    return scale, minimum
 
 
 def _add_products(context, builder, acc_type, acc, acc_at, b_type, b, b_at, values) -> None:
@@ -703,3 +710,194 @@ dot_block_1x4, dot_block_1x3, dot_block_1x2, dot_block_1x1 = (
 # multiple of 6; 4 vectors (64 tokens) a block, and 1 to 3 for the last tokens.
 tile_block_6x4, tile_block_6x3, tile_block_6x2, tile_block_6x1 = (_tile_block(6, v) for v in (4, 3, 2, 1))
 tile_block_4x4, tile_block_4x3, tile_block_4x2, tile_block_4x1 = (_tile_block(4, v) for v in (4, 3, 2, 1))
+
+
+# ------------------------------------------------------------------------------ 8-bit activations
+#
+# llama.cpp's numerics (`ember.quant.q8`): x quantized to signed bytes per 256 values (Q8_K), a K-quant
+# super-block's integer values multiplied by them in integer lanes (AVX2's pmaddubsw: 32 byte products
+# summed in pairs to 16-bit lanes; pmaddwd: 16-bit lanes times the sub-block scales, summed in pairs to
+# 32-bit lanes), one float multiply per super-block. 32 multiply-adds an instruction where the float
+# path does 8.
+
+_BYTES32 = ir.VectorType(_I8, 32)
+_SHORTS16 = ir.VectorType(_I16, 16)
+_INTS8 = ir.VectorType(_I32, 8)
+_FLOATS8 = ir.VectorType(_F32, 8)
+
+
+def has_avx2() -> bool:
+    """Whether this CPU has AVX2 (Linux's /proc/cpuinfo flags; False where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            return any(line.startswith("flags") and " avx2" in line for line in info)
+    except OSError:
+        return False
+
+
+def _vector_at(context, builder, array_type, array, at, vector: ir.VectorType):
+    data = context.make_array(array_type)(context, builder, array).data
+    return builder.load(builder.bitcast(builder.gep(data, [at]), ir.PointerType(vector)), align=1)
+
+
+def _x86(builder, name: str, result: ir.Type, *operands):
+    kind = ir.FunctionType(result, [operand.type for operand in operands])
+    return builder.call(cgutils.get_or_insert_function(builder.module, kind, name), list(operands))
+
+
+def _byte_products(builder, unsigned, signed, scales):
+    """Σ over pairs of unsigned·signed bytes (32 each) times a 16-bit scale per pair, summed in pairs:
+    8 int32 lanes. Products stay exact: |q·y| ≤ 63·127, a pair's sum below 2^15."""
+    pairs = _x86(builder, "llvm.x86.avx2.pmadd.ub.sw", _SHORTS16, unsigned, signed)
+    return _x86(builder, "llvm.x86.avx2.pmadd.wd", _INTS8, pairs, scales)
+
+
+def _short_lanes(builder, ints, lanes: list[int]):
+    """16 int16 lanes taken from lanes of an int32 vector (truncated)."""
+    return _shuffle(builder, builder.trunc(ints, ir.VectorType(_I16, len(ints.type))), lanes)
+
+
+def _add_floats(context, builder, acc_type, acc, acc_at, values) -> None:
+    data = context.make_array(acc_type)(context, builder, acc).data
+    pointer = builder.bitcast(builder.gep(data, [acc_at]), ir.PointerType(values.type))
+    builder.store(builder.fadd(builder.load(pointer, align=4), values), pointer, align=4)
+
+
+def _times(builder, ints, factor):
+    factors = _shuffle(builder, builder.insert_element(ir.Constant(_FLOATS8, ir.Undefined), factor,
+                                                       ir.Constant(_I32, 0)), [0] * 8)
+    return builder.fmul(builder.sitofp(ints, _FLOATS8), factors)
+
+
+def _q4_k_q8(tokens: int):
+    """The Q4_K super-block primitive for `tokens` (1-4) rounded activation rows at once: the block's
+    scales, minimums and nibbles taken from its bytes once, then multiplied by each row's bytes."""
+
+    def typer(typingctx, acc, src, at, q8, q8_at, stride, sums32, sums_at, sums_stride, xs, xs_at, xs_stride,
+              d, dmin):
+        signature = types.void(acc, src, at, q8, q8_at, stride, sums32, sums_at, sums_stride, xs, xs_at,
+                               xs_stride, d, dmin)
+
+        def codegen(context, builder, sig, args):
+            (acc_v, src_v, at_v, q8_v, q8_at_v, stride_v, sums_v, sums_at_v, sums_stride_v, xs_v, xs_at_v,
+             xs_stride_v, d_v, dmin_v) = _canonical(context, builder, sig, args)
+            acc_t, src_t, _, q8_t, _, _, sums_t, _, _, xs_t = sig.args[:10]
+            scales, minimums = _k_scale_ints(context, builder, src_t, src_v, builder.add(at_v, _i64(4)))
+            nibbles = []
+            for c in range(4):  # 64 values: 32 bytes, low nibbles sub-block 2c, high nibbles 2c+1
+                q = _vector_at(context, builder, src_t, src_v, builder.add(at_v, _i64(16 + 32 * c)), _BYTES32)
+                nibbles += [builder.and_(q, ir.Constant(_BYTES32, [15] * 32)),
+                            builder.lshr(q, ir.Constant(_BYTES32, [4] * 32))]
+            factors = [_short_lanes(builder, scales, [j] * 16) for j in range(8)]
+            for t in range(tokens):
+                row = builder.mul(stride_v, _i64(t))
+                scale_x = builder.load(builder.gep(context.make_array(xs_t)(context, builder, xs_v).data,
+                                                   [builder.add(xs_at_v, builder.mul(xs_stride_v, _i64(t)))]))
+                sums = _vector_at(context, builder, sums_t, sums_v,
+                                  builder.add(sums_at_v, builder.mul(sums_stride_v, _i64(t))), _INTS8)
+                _add_floats(context, builder, acc_t, acc_v, _i64(16 * t + 8), builder.fneg(
+                    _times(builder, builder.mul(minimums, sums), builder.fmul(dmin_v, scale_x))))
+                total = None
+                for j in range(8):
+                    y = _vector_at(context, builder, q8_t, q8_v,
+                                   builder.add(builder.add(q8_at_v, row), _i64(32 * j)), _BYTES32)
+                    part = _byte_products(builder, nibbles[j], y, factors[j])
+                    total = part if total is None else builder.add(total, part)
+                _add_floats(context, builder, acc_t, acc_v, _i64(16 * t),
+                            _times(builder, total, builder.fmul(d_v, scale_x)))
+            return context.get_dummy_value()
+
+        return signature, codegen
+
+    typer.__name__ = typer.__qualname__ = f"q4_k_q8_block_{tokens}"
+    typer.__doc__ = f"""acc[16t : 16t+8] += d·xs[xs_at + t·xs_stride] · Σ_j scale_j Σ q·y_t and
+acc[16t+8 : 16t+16] −= dmin·xs[…] · Σ_j min_j · sums32[sums_at + t·sums_stride + j] for t < {tokens}:
+one Q4_K super-block (144 bytes at src[at…]) times 256 signed bytes y_t = q8[q8_at + t·stride …] of
+each row (xs the rows' block scales, sums32 their sums over 32 values): ggml's ggml_vec_dot_q4_K_q8_K,
+row by row."""
+    return intrinsic(typer)
+
+
+def _q6_k_q8(tokens: int):
+    """The Q6_K super-block primitive for `tokens` (1-4) rounded activation rows at once."""
+
+    def typer(typingctx, acc, src, at, q8, q8_at, stride, sums16, sums_at, sums_stride, xs, xs_at, xs_stride,
+              d):
+        signature = types.void(acc, src, at, q8, q8_at, stride, sums16, sums_at, sums_stride, xs, xs_at,
+                               xs_stride, d)
+
+        def codegen(context, builder, sig, args):
+            (acc_v, src_v, at_v, q8_v, q8_at_v, stride_v, sums_v, sums_at_v, sums_stride_v, xs_v, xs_at_v,
+             xs_stride_v, d_v) = _canonical(context, builder, sig, args)
+            acc_t, src_t, _, q8_t, _, _, sums_t, _, _, xs_t = sig.args[:10]
+            raw = builder.sext(_byte_lanes(context, builder, src_t, src_v, builder.add(at_v, _i64(192))),
+                               _vector(_I32))
+
+            def byte_const(value):
+                return ir.Constant(_BYTES32, [value] * 32)
+
+            def block_bytes(offset):
+                return _vector_at(context, builder, src_t, src_v, builder.add(at_v, _i64(offset)), _BYTES32)
+
+            values, factors = [], []
+            for h in range(2):
+                low, low2, bits = block_bytes(64 * h), block_bytes(64 * h + 32), block_bytes(128 + 32 * h)
+                nibbles = (builder.and_(low, byte_const(15)), builder.and_(low2, byte_const(15)),
+                           builder.lshr(low, byte_const(4)), builder.lshr(low2, byte_const(4)))
+                for quarter in range(4):  # y offset 128h + 32·quarter
+                    top = builder.and_(builder.lshr(bits, byte_const(2 * quarter)), byte_const(3))
+                    values.append(builder.or_(nibbles[quarter], builder.shl(top, byte_const(4))))
+                    first = 8 * h + 2 * quarter
+                    factors.append(_short_lanes(builder, raw, [first] * 8 + [first + 1] * 8))
+            for t in range(tokens):
+                row = builder.mul(stride_v, _i64(t))
+                scale_x = builder.load(builder.gep(context.make_array(xs_t)(context, builder, xs_v).data,
+                                                   [builder.add(xs_at_v, builder.mul(xs_stride_v, _i64(t)))]))
+                sums = builder.load(_lanes(context, builder, sums_t, sums_v,
+                                           builder.add(sums_at_v, builder.mul(sums_stride_v, _i64(t))), _I32),
+                                    align=4)
+                offsets = builder.mul(raw, sums)  # −32 · Σ_k scale_k · (sum of y over sub-block k)
+                offsets = builder.add(_shuffle(builder, offsets, list(range(8))),
+                                      _shuffle(builder, offsets, list(range(8, 16))))
+                total = builder.sub(ir.Constant(_INTS8, [0] * 8),
+                                    builder.shl(offsets, ir.Constant(_INTS8, [5] * 8)))
+                for j in range(8):
+                    y = _vector_at(context, builder, q8_t, q8_v,
+                                   builder.add(builder.add(q8_at_v, row), _i64(32 * j)), _BYTES32)
+                    total = builder.add(total, _byte_products(builder, values[j], y, factors[j]))
+                _add_floats(context, builder, acc_t, acc_v, _i64(16 * t),
+                            _times(builder, total, builder.fmul(d_v, scale_x)))
+            return context.get_dummy_value()
+
+        return signature, codegen
+
+    typer.__name__ = typer.__qualname__ = f"q6_k_q8_block_{tokens}"
+    typer.__doc__ = f"""acc[16t : 16t+8] += d·xs[xs_at + t·xs_stride] · Σ_k scale_k Σ (q − 32)·y_t for
+t < {tokens}: one Q6_K super-block (210 bytes at src[at…]) times 256 signed bytes
+y_t = q8[q8_at + t·stride …] of each row, the −32 taken as −32·Σ_k scale_k·sums16[sums_at +
+t·sums_stride + k] (sums over 16 values): ggml's ggml_vec_dot_q6_K_q8_K. Value j, j+32, j+64, j+96 of
+half h: the low and high nibble of bytes 64h + j and 64h + 32 + j, and 2-bit pairs of byte 128 + 32h + j."""
+    return intrinsic(typer)
+
+
+q4_k_q8_block_1, q4_k_q8_block_2, q4_k_q8_block_3, q4_k_q8_block_4 = (_q4_k_q8(n) for n in range(1, 5))
+q6_k_q8_block_1, q6_k_q8_block_2, q6_k_q8_block_3, q6_k_q8_block_4 = (_q6_k_q8(n) for n in range(1, 5))
+
+
+@intrinsic
+def sum_lanes16(typingctx, acc, at):
+    """acc[at] + … + acc[at + 15] as a tree of vector adds (8 + 8, 4 + 4, 2 + 2, 1 + 1): a row's total
+    in 4 dependent adds where a scalar loop takes 15."""
+    signature = types.float32(acc, at)
+
+    def codegen(context, builder, sig, args):
+        acc_v, at_v = _canonical(context, builder, sig, args)
+        values = builder.load(_lanes(context, builder, sig.args[0], acc_v, at_v, _F32), align=4)
+        width = LANES
+        while width > 1:
+            width //= 2
+            values = builder.fadd(_shuffle(builder, values, list(range(width))),
+                                  _shuffle(builder, values, list(range(width, 2 * width))))
+        return builder.extract_element(values, ir.Constant(_I32, 0))
+
+    return signature, codegen

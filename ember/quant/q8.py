@@ -1,0 +1,147 @@
+"""8-bit activations: decode's products the way llama.cpp computes them, an opt-in speed/precision trade.
+
+By default ember multiplies exact float32 weight values by float32 activations: its boundaries match
+transformers' float32 forward. llama.cpp instead rounds each activation vector to signed bytes, one scale
+per 256 values (ggml's Q8_K, `quantize_q8_k` below), and multiplies the weights' integer values by them in
+integer lanes (`simd.q4_k_q8_block`, `simd.q6_k_q8_block`): 4x the multiply-adds an instruction, at an
+error of up to half a step, 1/254 of each 256-value block's largest activation. `matmul` here is that
+product for the K-quants llama.cpp's Q4_K_M files are made of (Q4_K, Q6_K), for decode and prompts
+alike; `supports` says which block types it takes. In weights="quantized-q8" (`ember.weights`) every
+product of such a matrix goes here, whatever the number of rows, each row rounded and summed as it
+would be alone; the other products stay float32 (`ember.quant.matrix`). The float32 parts around them
+(attention) still sum in an order that depends on the batch, at the 1e-7 level, and a rounding step
+can turn such a difference into a whole 8-bit step: on Gemma 3 270M (random tokens) batched and
+one-at-a-time logits then differed by up to 6% of their largest value, where float32 keeps 1e-5.
+
+Measured before it was written (Zen 3 EPYC, one thread, Qwen3-30B-A3B decode at 2.0 tokens/s): the
+float32 kernels ran Q4_K at 9-11 G values/s and Q6_K at 5-6, at the cost of widening each byte to a
+float lane, where llama.cpp's 8.6 tokens/s on two threads ran near memory bandwidth.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGMLQuantizationType as Q
+
+from ember.quant import simd
+from ember.quant.jit import njit
+
+BLOCK = 256  # values of x per scale (ggml's QK_K)
+TYPES = (int(Q.Q4_K), int(Q.Q6_K))
+Q4_K, Q6_K = TYPES
+AVAILABLE = simd.has_avx2()
+PREFETCH_ROWS = 12  # `kernels.PREFETCH_ROWS`
+
+
+def supports(ggml_type: int) -> bool:
+    return ggml_type in TYPES
+
+
+@njit(nogil=True, cache=True)
+def quantize_q8_k(x, q8, scales, sums16, sums32):
+    """x (columns a multiple of 256) as ggml's quantize_row_q8_K_ref rounds it: per block of 256, the
+    value of largest magnitude m maps to −127 (iscale = −127/m, q = round-half-even(iscale·x), at most
+    127), scale 1/iscale (0 for a block of zeros); sums16/sums32 the sums of q over 16 and 32 values."""
+    for b in range(x.shape[0] // BLOCK):
+        start = b * BLOCK
+        largest = np.float32(0.0)
+        magnitude = np.float32(0.0)
+        for i in range(start, start + BLOCK):
+            if abs(x[i]) > magnitude:
+                magnitude = abs(x[i])
+                largest = x[i]
+        if magnitude == 0:
+            scales[b] = 0.0
+            for i in range(start, start + BLOCK):
+                q8[i] = 0
+        else:
+            iscale = np.float32(-127.0) / largest
+            scales[b] = np.float32(1.0) / iscale
+            for i in range(start, start + BLOCK):
+                q8[i] = min(127, np.int32(np.rint(iscale * x[i])))
+        for k in range(BLOCK // 16):
+            total = 0
+            for i in range(start + 16 * k, start + 16 * k + 16):
+                total += np.int32(q8[i])
+            sums16[b * 16 + k] = total
+        for k in range(BLOCK // 32):
+            sums32[b * 8 + k] = sums16[b * 16 + 2 * k] + sums16[b * 16 + 2 * k + 1]
+
+
+@njit(inline="always")
+def _f16(table, src, at):
+    return table[np.int64(src[at]) | (np.int64(src[at + 1]) << 8)]
+
+
+@njit(inline="always")
+def _block(q4, tokens, acc, w, at, y, y_at, stride, sums, s_at, s_stride, xs, b, blocks, d, dmin):
+    """`simd.q{4,6}_k_q8_block_<tokens>`: one super-block of a weight row w times `tokens` rows of x."""
+    if q4:
+        if tokens == 4:
+            simd.q4_k_q8_block_4(acc, w, at, y, y_at, stride, sums, s_at, s_stride, xs, b, blocks, d, dmin)
+        elif tokens == 3:
+            simd.q4_k_q8_block_3(acc, w, at, y, y_at, stride, sums, s_at, s_stride, xs, b, blocks, d, dmin)
+        elif tokens == 2:
+            simd.q4_k_q8_block_2(acc, w, at, y, y_at, stride, sums, s_at, s_stride, xs, b, blocks, d, dmin)
+        else:
+            simd.q4_k_q8_block_1(acc, w, at, y, y_at, stride, sums, s_at, s_stride, xs, b, blocks, d, dmin)
+    elif tokens == 4:
+        simd.q6_k_q8_block_4(acc, w, at, y, y_at, stride, sums, s_at, s_stride, xs, b, blocks, d)
+    elif tokens == 3:
+        simd.q6_k_q8_block_3(acc, w, at, y, y_at, stride, sums, s_at, s_stride, xs, b, blocks, d)
+    elif tokens == 2:
+        simd.q6_k_q8_block_2(acc, w, at, y, y_at, stride, sums, s_at, s_stride, xs, b, blocks, d)
+    else:
+        simd.q6_k_q8_block_1(acc, w, at, y, y_at, stride, sums, s_at, s_stride, xs, b, blocks, d)
+
+
+@njit(nogil=True, fastmath=True, cache=True)
+def matmul(qtypes, parts, offsets, q8, scales, sums16, sums32, out, table, counter, piece):
+    """out[t, r] = Σ_c W[r, c]·x[t, c] for every row t of x, given rounded (`quantize_q8_k`, one row of
+    q8/scales/sums16/sums32 per row of x, each C-contiguous), every part of W Q4_K or Q6_K. W stacked
+    and shared among threads as `kernels.matvec` takes it (pieces of `piece` rows through `counter`).
+    A weight row's super-block is unpacked once for up to 4 rows of x. Each output is summed in the
+    same order whatever the number of rows of x: a row's values do not depend on its batch."""
+    rows = offsets[-1]
+    tokens, columns = q8.shape
+    blocks = columns // BLOCK
+    flat, xs = q8.reshape(-1), scales.reshape(-1)
+    flat16, flat32 = sums16.reshape(-1), sums32.reshape(-1)
+    stride16, stride32 = sums16.shape[1], sums32.shape[1]
+    acc = np.empty(64, np.float32)
+    while True:
+        first = simd.claim(counter) * piece
+        if first >= rows:
+            return
+        stop = min(first + piece, rows)
+        for part in range(len(qtypes)):
+            base = offsets[part]
+            start, end = max(first, base) - base, min(stop, offsets[part + 1]) - base
+            data = parts[part]
+            q4 = qtypes[part] == Q4_K
+            row_bytes = data.shape[1]
+            block_bytes = 144 if q4 else 210
+            sums, sums_stride, per_block = (flat32, stride32, 8) if q4 else (flat16, stride16, 16)
+            for r in range(start, end):
+                ahead = min(r + PREFETCH_ROWS, end - 1) * row_bytes  # as kernels.matvec: rows ahead asked for
+                for line in range(0, row_bytes, 64):
+                    simd.prefetch(data, ahead + line)
+                row = data[r]
+                for t0 in range(0, tokens, 4):
+                    count = min(4, tokens - t0)
+                    acc[:16 * count] = 0.0
+                    for b in range(blocks):
+                        at, y_at = b * block_bytes, t0 * columns + b * BLOCK
+                        sums_at, xs_at = t0 * sums_stride + per_block * b, t0 * blocks + b
+                        # the type tested per block, each branch with its own scale reads: a select of the
+                        # two reads ran the product 4x slower (Zen 3, 1536 x 2048 Q4_K, 672 vs 172 us)
+                        if q4:
+                            d, dmin = _f16(table, row, at), _f16(table, row, at + 2)
+                            _block(True, count, acc, row, at, flat, y_at, columns, sums, sums_at,
+                                   sums_stride, xs, xs_at, blocks, d, dmin)
+                        else:
+                            d = _f16(table, row, at + 208)
+                            _block(False, count, acc, row, at, flat, y_at, columns, sums, sums_at,
+                                   sums_stride, xs, xs_at, blocks, d, np.float32(0.0))
+                    for j in range(count):
+                        out[t0 + j, base + r] = simd.sum_lanes16(acc, 16 * j)
