@@ -25,7 +25,7 @@ from pathlib import Path
 # (kernels.py, token_ops.py) alone: after a change to simd.py or blocks.py only, it loaded the old
 # machine code (seen 2026-12-06: an edited simd.py primitive was not in the kernels until the cache
 # was deleted). The cache folder is named by a digest of all of them instead.
-KERNEL_SOURCES = ("blocks.py", "jit.py", "kernels.py", "q8.py", "simd.py", "token_ops.py")
+KERNEL_SOURCES = ("blocks.py", "jit.py", "kernels.py", "q8.py", "simd.py", "token_ops.py", "waiting.py")
 
 
 def jit_cache_dir(sources: Path = Path(__file__).parent) -> Path:

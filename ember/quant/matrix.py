@@ -236,8 +236,14 @@ def multiply_each(products: Sequence[tuple[object, np.ndarray, np.ndarray]]) -> 
         return
     counters = np.zeros((len(calls), 1), np.int64)
 
-    def run(_: int) -> None:
-        for (group, x, out, piece, single), counter in zip(calls, counters, strict=True):
+    # Every other thread goes through the products from the last: the threads then work on different
+    # experts until they meet, each streaming whole matrices. Measured on Qwen3-30B-A3B's experts (a
+    # token's 96 shares, 2 threads, Zen 3 VM, medians of 8, runs alternated): 91 ms in the same order,
+    # 73 ms in opposite orders (two threads each taking half the layers alone: 65).
+    orders = (list(zip(calls, counters, strict=True)), list(zip(calls, counters, strict=True))[::-1])
+
+    def run(index: int) -> None:
+        for (group, x, out, piece, single), counter in orders[index % 2]:
             if isinstance(x, QuantizedActivation):
                 q8.matmul(*group, *x.operands(), out, kernels.F16_TABLE, counter, piece)
             elif single:
@@ -427,7 +433,9 @@ def _warm_up() -> None:
     kernels.transpose_tokens(np.zeros((2, 64), np.float32)[:, :32], transposed)  # x a column slice
     kernels.tile_product(tile, transposed, 2, np.zeros(16, np.float32), np.zeros(2, np.float32), 0, 1)
     from ember import ops
-    from ember.quant import token_ops
+    from ember.quant import token_ops, waiting
 
     token_ops.warm_up()
     ops.use_token_ops(token_ops)
+    waiting.warm_up()
+    parallel.use_waiting(waiting.wait_for_change)

@@ -901,3 +901,28 @@ def sum_lanes16(typingctx, acc, at):
         return builder.extract_element(values, ir.Constant(_I32, 0))
 
     return signature, codegen
+
+
+@intrinsic
+def read_counter(typingctx, counter):
+    """counter[0], read atomically (an atomic add of 0): a load LLVM cannot hoist out of a waiting loop."""
+    signature = types.int64(counter)
+
+    def codegen(context, builder, sig, args):
+        pointer = context.make_array(sig.args[0])(context, builder, args[0]).data
+        return builder.atomic_rmw("add", pointer, ir.Constant(_I64, 0), "monotonic")
+
+    return signature, codegen
+
+
+@intrinsic
+def pause(typingctx):
+    """The CPU's spin-wait hint (x86 `pause`: lets the other hardware thread run, saves power)."""
+    signature = types.void()
+
+    def codegen(context, builder, sig, args):
+        kind = ir.FunctionType(ir.VoidType(), [])
+        builder.call(cgutils.get_or_insert_function(builder.module, kind, "llvm.x86.sse2.pause"), [])
+        return context.get_dummy_value()
+
+    return signature, codegen
