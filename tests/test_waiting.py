@@ -31,19 +31,21 @@ def test_a_watcher_sees_a_change_made_by_another_thread_and_gives_up_without_one
     timer.join()
 
 
+_lock = threading.Lock()
+
+
+def _count(seen: np.ndarray, index: int) -> None:
+    with _lock:
+        seen[index] += 1
+
+
 def test_shares_with_watching_threads_run_every_piece_once_and_raise_the_first_error():
     with compute_threads(3):
         for count in (1, 2, 7, 64):
             for pause in (0.0, 0.002):  # helpers still watching, or already blocked on the queue
                 seen = np.zeros(count, np.int64)
-                lock = threading.Lock()
-
-                def work(index: int) -> None:
-                    with lock:
-                        seen[index] += 1
-
                 time.sleep(pause)
-                parallel.share(work, count, blas=False, on=3)
+                parallel.share(lambda index, seen=seen: _count(seen, index), count, blas=False, on=3)
                 assert (seen == 1).all()
 
         def failing(index: int) -> None:
