@@ -59,7 +59,7 @@ def _common(records: bool = True) -> argparse.ArgumentParser:
                        help="engine/BLAS threads (default: the cores other processes leave free)")
     group.add_argument("--weights", choices=("quantized", "float32", "quantized-q8"), default="quantized",
                        help="keep weights in the file's encoding, or dequantize them; quantized-q8: also "
-                       "round decode's Q4_K/Q6_K activations to 8 bits as llama.cpp does (faster, not "
+                       "round the Q4_K/Q6_K products' activations to 8 bits as llama.cpp does (faster, not "
                        "float32-exact) (default: %(default)s)")
     group.add_argument("--experiment", action="append", default=[], metavar="NAME[:k=v,...]",
                        help="attach an experiment (generate only; refused with inspection surfaces)")

@@ -21,6 +21,10 @@ How `matmul` multiplies, by the number of activation rows T:
   single-threaded BLAS (`numpy.matmul`). Either way the products are the float32 path's up to
   summation order, and the same whatever the thread count (each output element comes from the same
   tile product). Why ember's threads and not BLAS's: `ember.parallel`.
+
+A matrix made with `q8=True` (weights="quantized-q8") whose parts are all Q4_K or Q6_K takes none of
+these: every product, whatever T, rounds the rows of x to 8 bits and multiplies integers
+(`ember.quant.q8`, llama.cpp's numerics), on the threads as a short prompt's.
 """
 
 from __future__ import annotations
@@ -103,7 +107,7 @@ _scratch = threading.local()
 
 
 def q8_supports(parts: Sequence[QuantizedMatrix]) -> bool:
-    """Whether `q8.matvec` multiplies these matrices: all Q4_K or Q6_K (whole 256-value blocks), on a
+    """Whether `q8.matmul` multiplies these matrices: all Q4_K or Q6_K (whole 256-value blocks), on a
     CPU with AVX2; other block types keep float32 activations in every mode."""
     return q8.AVAILABLE and all(q8.supports(part.ggml_type) for part in parts)
 
@@ -327,7 +331,7 @@ class QuantizedMatrix:
         self.data.flags.writeable = False  # the mapped file's type: one compiled variant of each kernel
         self.ggml_type = int(ggml_type)
         self.shape = shape
-        # decode's product rounds x to 8 bits (`ember.quant.q8`, weights="quantized-q8")
+        # every product rounds x to 8 bits first (`ember.quant.q8`, weights="quantized-q8")
         self.q8 = q8 and q8_supports([self])
 
     @functools.cached_property
