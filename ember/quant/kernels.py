@@ -578,10 +578,10 @@ PREFETCH_ROWS = 4
 
 
 @njit(inline="always")
-def _prefetch_ahead(data, r, stop):
-    """Hint the cache lines of row min(r + PREFETCH_ROWS, stop − 1) of `data` in (no effect on values)."""
+def prefetch_ahead(data, r, stop, rows_ahead):
+    """Hint the cache lines of row min(r + rows_ahead, stop − 1) of `data` in (no effect on values)."""
     row_bytes = data.shape[1] * data.itemsize
-    ahead = min(r + PREFETCH_ROWS, stop - 1) * row_bytes
+    ahead = min(r + rows_ahead, stop - 1) * row_bytes
     for line in range(0, row_bytes, 64):
         simd.prefetch(data, ahead + line)
 
@@ -694,10 +694,11 @@ def _lanes_total(acc, offset):
 # 1.7× slower on Q4_1).
 _rows_dot = switch("_rows_dot", "data, first, stop, shift, x, sums32, sums16, scales, acc, out, table", """
 for r in range(first, stop):
-    _prefetch_ahead(data, r, stop)
+    prefetch_ahead(data, r, stop, PREFETCH_ROWS)
     acc[:] = 0.0
     out[shift + r] = _lanes_total(acc, {dot}(data[r], x.shape[0], x, sums16, sums32, scales, acc, table))
-""", BLOCK_TYPES.values(), namespace={"_prefetch_ahead": _prefetch_ahead, "_lanes_total": _lanes_total})
+""", BLOCK_TYPES.values(), namespace={"prefetch_ahead": prefetch_ahead, "PREFETCH_ROWS": PREFETCH_ROWS,
+                                            "_lanes_total": _lanes_total})
 seal()  # every switch above is generated: a type declared from here on would have no branch
 
 

@@ -189,10 +189,17 @@ def _rounded_product(groups: list[KernelGroup], x: np.ndarray, out: np.ndarray) 
     if x.shape[0] == 0:
         return out
     operands = QuantizedActivation(x).operands()
-    contiguous = out if out.flags.c_contiguous else np.empty(out.shape, np.float32)
     piece = max(ROUNDED_MIN_PIECE, PIECE_VALUES // x.size // 4 * 4)
-    _on_threads(groups, out.shape[1], piece, out.shape[1] * x.size, lambda group, counter: q8.matmul(
-        *group, *operands, contiguous, kernels.F16_TABLE, counter, piece))
+    return _into(out, lambda contiguous: _on_threads(
+        groups, out.shape[1], piece, out.shape[1] * x.size, lambda group, counter: q8.matmul(
+            *group, *operands, contiguous, kernels.F16_TABLE, counter, piece)))
+
+
+def _into(out: np.ndarray, fill: Callable[[np.ndarray], None]) -> np.ndarray:
+    """fill(a C-contiguous array of out's shape), then out holds it: out itself when contiguous (the
+    kernels take one layout), else a copy made after (a column slice of a wider buffer)."""
+    contiguous = out if out.flags.c_contiguous else np.empty(out.shape, np.float32)
+    fill(contiguous)
     if contiguous is not out:
         out[...] = contiguous
     return out
@@ -202,15 +209,11 @@ def _small_batch(groups: list[KernelGroup], x: np.ndarray, out: np.ndarray) -> n
     """`kernels.matmul_rows` on contiguous operands (one compiled variant; the copies are a few rows)."""
     if x.shape[0] == 0:  # a batch's layer that no sequence has reached yet
         return out
-    contiguous = out if out.flags.c_contiguous else np.empty(out.shape, np.float32)
     rows = np.ascontiguousarray(x)
     piece = max(4, PIECE_VALUES // x.size)
-    work = out.shape[1] * x.size
-    _on_threads(groups, out.shape[1], piece, work, lambda group, counter: kernels.matmul_rows(
-        *group, rows, contiguous, kernels.F16_TABLE, HALF, counter, piece))
-    if contiguous is not out:
-        out[...] = contiguous
-    return out
+    return _into(out, lambda contiguous: _on_threads(
+        groups, out.shape[1], piece, out.shape[1] * x.size, lambda group, counter: kernels.matmul_rows(
+            *group, rows, contiguous, kernels.F16_TABLE, HALF, counter, piece)))
 
 
 def multiply_each(products: Sequence[tuple[object, np.ndarray, np.ndarray]]) -> None:

@@ -26,13 +26,18 @@ from ember.quant.jit import cgutils, intrinsic, types
 LANES = 16
 
 
-def has_avx512() -> bool:
-    """Whether this CPU has AVX-512 (Linux's /proc/cpuinfo flags; False where it cannot be read)."""
+def has_cpu_flag(flag: str) -> bool:
+    """Whether this CPU lists `flag` (Linux's /proc/cpuinfo flags; False where it cannot be read)."""
     try:
         with open("/proc/cpuinfo") as info:
-            return any(line.startswith("flags") and " avx512f" in line for line in info)
+            return any(line.startswith("flags") and flag in line.split() for line in info)
     except OSError:
         return False
+
+
+def has_avx512() -> bool:
+    """Whether this CPU has AVX-512."""
+    return has_cpu_flag("avx512f")
 
 
 AVX512 = has_avx512()
@@ -727,12 +732,8 @@ _FLOATS8 = ir.VectorType(_F32, 8)
 
 
 def has_avx2() -> bool:
-    """Whether this CPU has AVX2 (Linux's /proc/cpuinfo flags; False where it cannot be read)."""
-    try:
-        with open("/proc/cpuinfo") as info:
-            return any(line.startswith("flags") and " avx2" in line for line in info)
-    except OSError:
-        return False
+    """Whether this CPU has AVX2 (the 8-bit products' byte and 16-bit multiply-adds)."""
+    return has_cpu_flag("avx2")
 
 
 def _vector_at(context, builder, array_type, array, at, vector: ir.VectorType):
