@@ -77,7 +77,9 @@ def quantize_q8_k(x, q8, scales, sums16, sums32):
 def _block(q4, tokens, acc, w, at, y, y_at, stride, sums, s_at, s_stride, xs, b, blocks, d, dmin):
     """`simd.q{4,6}_k_q8_block_<tokens>`: one super-block of a weight row w times `tokens` rows of x."""
     if q4:
-        if tokens == 4:
+        if tokens == 8:
+            simd.q4_k_q8_block_8(acc, w, at, y, y_at, stride, sums, s_at, s_stride, xs, b, blocks, d, dmin)
+        elif tokens == 4:
             simd.q4_k_q8_block_4(acc, w, at, y, y_at, stride, sums, s_at, s_stride, xs, b, blocks, d, dmin)
         elif tokens == 3:
             simd.q4_k_q8_block_3(acc, w, at, y, y_at, stride, sums, s_at, s_stride, xs, b, blocks, d, dmin)
@@ -85,6 +87,8 @@ def _block(q4, tokens, acc, w, at, y, y_at, stride, sums, s_at, s_stride, xs, b,
             simd.q4_k_q8_block_2(acc, w, at, y, y_at, stride, sums, s_at, s_stride, xs, b, blocks, d, dmin)
         else:
             simd.q4_k_q8_block_1(acc, w, at, y, y_at, stride, sums, s_at, s_stride, xs, b, blocks, d, dmin)
+    elif tokens == 8:
+        simd.q6_k_q8_block_8(acc, w, at, y, y_at, stride, sums, s_at, s_stride, xs, b, blocks, d)
     elif tokens == 4:
         simd.q6_k_q8_block_4(acc, w, at, y, y_at, stride, sums, s_at, s_stride, xs, b, blocks, d)
     elif tokens == 3:
@@ -100,15 +104,16 @@ def matmul(qtypes, parts, offsets, q8, scales, sums16, sums32, out, table, count
     """out[t, r] = Σ_c W[r, c]·x[t, c] for every row t of x, given rounded (`quantize_q8_k`, one row of
     q8/scales/sums16/sums32 per row of x, each C-contiguous), every part of W Q4_K or Q6_K. W stacked
     and shared among threads as `kernels.matvec` takes it (pieces of `piece` rows through `counter`).
-    A weight row's super-block is unpacked once for up to 4 rows of x. Each output is summed in the
-    same order whatever the number of rows of x: a row's values do not depend on its batch."""
+    A weight row's super-block is unpacked once for 8 rows of x (the last few: up to 4). Each output is
+    summed in the same order whatever the number of rows of x: a row's values do not depend on its
+    batch."""
     rows = offsets[-1]
     tokens, columns = q8.shape
     blocks = columns // BLOCK
     flat, xs = q8.reshape(-1), scales.reshape(-1)
     flat16, flat32 = sums16.reshape(-1), sums32.reshape(-1)
     stride16, stride32 = sums16.shape[1], sums32.shape[1]
-    acc = np.empty(64, np.float32)
+    acc = np.empty(16 * 8, np.float32)
     while True:
         first = simd.claim(counter) * piece
         if first >= rows:
@@ -124,8 +129,9 @@ def matmul(qtypes, parts, offsets, q8, scales, sums16, sums32, out, table, count
             for r in range(start, end):
                 kernels.prefetch_ahead(data, r, end, PREFETCH_ROWS)
                 row = data[r]
-                for t0 in range(0, tokens, 4):
-                    count = min(4, tokens - t0)
+                t0 = 0
+                while t0 < tokens:
+                    count = 8 if tokens - t0 >= 8 else min(4, tokens - t0)
                     acc[:16 * count] = 0.0
                     for b in range(blocks):
                         at, y_at = b * block_bytes, t0 * columns + b * BLOCK
@@ -142,3 +148,4 @@ def matmul(qtypes, parts, offsets, q8, scales, sums16, sums32, out, table, count
                                    sums_stride, xs, xs_at, blocks, d, np.float32(0.0))
                     for j in range(count):
                         out[t0 + j, base + r] = simd.sum_lanes16(acc, 16 * j)
+                    t0 += count

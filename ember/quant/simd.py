@@ -771,8 +771,12 @@ def _times(builder, ints, factor):
 
 
 def _q4_k_q8(tokens: int):
-    """The Q4_K super-block primitive for `tokens` (1-4) rounded activation rows at once: the block's
-    scales, minimums and nibbles taken from its bytes once, then multiplied by each row's bytes."""
+    """The Q4_K super-block primitive for `tokens` (1-4 or 8) rounded activation rows at once: the
+    block's scales, minimums and nibbles taken from its bytes once, then multiplied by each row's bytes,
+    32 values at a time for all rows (the rows' sums in registers, the weights' 32 values loaded once:
+    in the other order, all 8 sub-blocks' values kept for row after row, the registers spilled.
+    Zen 3, one thread, 8 rows times 768 x 2048 in cache: 341 us that way, 296 this way, 265 with 8
+    rows at a time where 4 and 4 were two calls)."""
 
     def typer(typingctx, acc, src, at, q8, q8_at, stride, sums32, sums_at, sums_stride, xs, xs_at, xs_stride,
               d, dmin):
@@ -789,23 +793,23 @@ def _q4_k_q8(tokens: int):
                 q = _vector_at(context, builder, src_t, src_v, builder.add(at_v, _i64(16 + 32 * c)), _BYTES32)
                 nibbles += [builder.and_(q, ir.Constant(_BYTES32, [15] * 32)),
                             builder.lshr(q, ir.Constant(_BYTES32, [4] * 32))]
-            factors = [_short_lanes(builder, scales, [j] * 16) for j in range(8)]
+            rows = [builder.add(q8_at_v, builder.mul(stride_v, _i64(t))) for t in range(tokens)]
+            totals = [None] * tokens
+            for j in range(8):  # sub-block outermost: its nibbles and scale, then every row's bytes
+                factor = _short_lanes(builder, scales, [j] * 16)
+                for t in range(tokens):
+                    y = _vector_at(context, builder, q8_t, q8_v, builder.add(rows[t], _i64(32 * j)), _BYTES32)
+                    part = _byte_products(builder, nibbles[j], y, factor)
+                    totals[t] = part if totals[t] is None else builder.add(totals[t], part)
             for t in range(tokens):
-                row = builder.mul(stride_v, _i64(t))
                 scale_x = builder.load(builder.gep(context.make_array(xs_t)(context, builder, xs_v).data,
                                                    [builder.add(xs_at_v, builder.mul(xs_stride_v, _i64(t)))]))
                 sums = _vector_at(context, builder, sums_t, sums_v,
                                   builder.add(sums_at_v, builder.mul(sums_stride_v, _i64(t))), _INTS8)
                 _add_floats(context, builder, acc_t, acc_v, _i64(16 * t + 8), builder.fneg(
                     _times(builder, builder.mul(minimums, sums), builder.fmul(dmin_v, scale_x))))
-                total = None
-                for j in range(8):
-                    y = _vector_at(context, builder, q8_t, q8_v,
-                                   builder.add(builder.add(q8_at_v, row), _i64(32 * j)), _BYTES32)
-                    part = _byte_products(builder, nibbles[j], y, factors[j])
-                    total = part if total is None else builder.add(total, part)
                 _add_floats(context, builder, acc_t, acc_v, _i64(16 * t),
-                            _times(builder, total, builder.fmul(d_v, scale_x)))
+                            _times(builder, totals[t], builder.fmul(d_v, scale_x)))
             return context.get_dummy_value()
 
         return signature, codegen
@@ -820,7 +824,8 @@ row by row."""
 
 
 def _q6_k_q8(tokens: int):
-    """The Q6_K super-block primitive for `tokens` (1-4) rounded activation rows at once."""
+    """The Q6_K super-block primitive for `tokens` (1-4 or 8) rounded activation rows at once, in the
+    Q4_K one's order (8 rows times 2048 x 768 in cache: 402 us before, 314 after)."""
 
     def typer(typingctx, acc, src, at, q8, q8_at, stride, sums16, sums_at, sums_stride, xs, xs_at, xs_stride,
               d):
@@ -840,18 +845,8 @@ def _q6_k_q8(tokens: int):
             def block_bytes(offset):
                 return _vector_at(context, builder, src_t, src_v, builder.add(at_v, _i64(offset)), _BYTES32)
 
-            values, factors = [], []
-            for h in range(2):
-                low, low2, bits = block_bytes(64 * h), block_bytes(64 * h + 32), block_bytes(128 + 32 * h)
-                nibbles = (builder.and_(low, byte_const(15)), builder.and_(low2, byte_const(15)),
-                           builder.lshr(low, byte_const(4)), builder.lshr(low2, byte_const(4)))
-                for quarter in range(4):  # y offset 128h + 32·quarter
-                    top = builder.and_(builder.lshr(bits, byte_const(2 * quarter)), byte_const(3))
-                    values.append(builder.or_(nibbles[quarter], builder.shl(top, byte_const(4))))
-                    first = 8 * h + 2 * quarter
-                    factors.append(_short_lanes(builder, raw, [first] * 8 + [first + 1] * 8))
+            totals = []
             for t in range(tokens):
-                row = builder.mul(stride_v, _i64(t))
                 scale_x = builder.load(builder.gep(context.make_array(xs_t)(context, builder, xs_v).data,
                                                    [builder.add(xs_at_v, builder.mul(xs_stride_v, _i64(t)))]))
                 sums = builder.load(_lanes(context, builder, sums_t, sums_v,
@@ -860,14 +855,27 @@ def _q6_k_q8(tokens: int):
                 offsets = builder.mul(raw, sums)  # −32 · Σ_k scale_k · (sum of y over sub-block k)
                 offsets = builder.add(_shuffle(builder, offsets, list(range(8))),
                                       _shuffle(builder, offsets, list(range(8, 16))))
-                total = builder.sub(ir.Constant(_INTS8, [0] * 8),
-                                    builder.shl(offsets, ir.Constant(_INTS8, [5] * 8)))
-                for j in range(8):
-                    y = _vector_at(context, builder, q8_t, q8_v,
-                                   builder.add(builder.add(q8_at_v, row), _i64(32 * j)), _BYTES32)
-                    total = builder.add(total, _byte_products(builder, values[j], y, factors[j]))
+                totals.append(builder.sub(ir.Constant(_INTS8, [0] * 8),
+                                          builder.shl(offsets, ir.Constant(_INTS8, [5] * 8))))
+            rows = [builder.add(q8_at_v, builder.mul(stride_v, _i64(t))) for t in range(tokens)]
+            for h in range(2):  # 32 values at a time, outermost: their 6-bit values and scales, every row
+                low, low2, bits = block_bytes(64 * h), block_bytes(64 * h + 32), block_bytes(128 + 32 * h)
+                nibbles = (builder.and_(low, byte_const(15)), builder.and_(low2, byte_const(15)),
+                           builder.lshr(low, byte_const(4)), builder.lshr(low2, byte_const(4)))
+                for quarter in range(4):  # y offset 128h + 32·quarter
+                    top = builder.and_(builder.lshr(bits, byte_const(2 * quarter)), byte_const(3))
+                    values = builder.or_(nibbles[quarter], builder.shl(top, byte_const(4)))
+                    first = 8 * h + 2 * quarter
+                    factor = _short_lanes(builder, raw, [first] * 8 + [first + 1] * 8)
+                    for t in range(tokens):
+                        y = _vector_at(context, builder, q8_t, q8_v,
+                                       builder.add(rows[t], _i64(128 * h + 32 * quarter)), _BYTES32)
+                        totals[t] = builder.add(totals[t], _byte_products(builder, values, y, factor))
+            for t in range(tokens):
+                scale_x = builder.load(builder.gep(context.make_array(xs_t)(context, builder, xs_v).data,
+                                                   [builder.add(xs_at_v, builder.mul(xs_stride_v, _i64(t)))]))
                 _add_floats(context, builder, acc_t, acc_v, _i64(16 * t),
-                            _times(builder, total, builder.fmul(d_v, scale_x)))
+                            _times(builder, totals[t], builder.fmul(d_v, scale_x)))
             return context.get_dummy_value()
 
         return signature, codegen
@@ -881,8 +889,10 @@ half h: the low and high nibble of bytes 64h + j and 64h + 32 + j, and 2-bit pai
     return intrinsic(typer)
 
 
-q4_k_q8_block_1, q4_k_q8_block_2, q4_k_q8_block_3, q4_k_q8_block_4 = (_q4_k_q8(n) for n in range(1, 5))
-q6_k_q8_block_1, q6_k_q8_block_2, q6_k_q8_block_3, q6_k_q8_block_4 = (_q6_k_q8(n) for n in range(1, 5))
+q4_k_q8_block_1, q4_k_q8_block_2, q4_k_q8_block_3, q4_k_q8_block_4, q4_k_q8_block_8 = (
+    _q4_k_q8(n) for n in (1, 2, 3, 4, 8))
+q6_k_q8_block_1, q6_k_q8_block_2, q6_k_q8_block_3, q6_k_q8_block_4, q6_k_q8_block_8 = (
+    _q6_k_q8(n) for n in (1, 2, 3, 4, 8))
 
 
 @intrinsic
