@@ -14,7 +14,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -143,6 +143,10 @@ class Model:
         self.batch_memory = default_batch_memory()  # bytes a batch's activations may take; more is split
         self.model_context = ModelContext.from_config(config, model_id=source.name, readout=self._readout())
 
+    def _compute_threads(self) -> AbstractContextManager[None]:
+        """ember's threads for a forward; BLAS's own only where it runs the products (float32 weights)."""
+        return compute_threads(self.threads, self.threads if self.weights == FLOAT32 else 1)
+
     def _readout(self) -> Readout | None:
         """The contract's read-only final norm + unembedding (v0.2), when the family offers one."""
         project = getattr(self._forward, "readout", None)
@@ -262,7 +266,7 @@ class Model:
             if runner is not None:
                 runner.on_model_loaded()
                 runner.before_prefill(reused, len(prompt_ids) - reused)
-            with compute_threads(self.threads):
+            with self._compute_threads():
                 started = time.perf_counter()
                 logits = self._prefill(prompt_ids, hooks, start=reused)
                 token = sampler(logits[0]) if max_new_tokens > 0 else -1  # 0: prefill only, no token
@@ -316,7 +320,7 @@ class Model:
         ids = self.tokenize(token_ids)
         self.check_fits(len(ids), 0)
         self._cached_ids = []
-        with compute_threads(self.threads):
+        with self._compute_threads():
             return self._prefill(ids, DISABLED_HOOKS, all_logits=True)
 
     def evaluate(self, prompt: str | Sequence[int], *, add_bos: bool | None = None, observer: Any = None,
@@ -329,7 +333,7 @@ class Model:
         if tracer is not None and tracer.layers:
             hooks = TracingHooks(hooks, tracer)
         self._cached_ids = []
-        with compute_threads(self.threads):
+        with self._compute_threads():
             started = time.perf_counter()
             logits = self._prefill(prompt_ids, hooks)[0].copy()
             if tracer is not None:
@@ -362,7 +366,7 @@ class Model:
         logits: list[np.ndarray | None] = [None] * len(entries)
         saved: dict[int, SavedState] = {}
         self._cached_ids = []
-        with compute_threads(self.threads):
+        with self._compute_threads():
             for part in self._batch_parts(entries, all_logits):
                 count = sum(entries[i].rows for i in part)
                 columns = _logit_columns([entries[i] for i in part], hooks, all_logits)
@@ -514,7 +518,7 @@ def _load_model(source: str | os.PathLike[str] | ModelFile, context_length: int 
         tokenizer = Tokenizer.from_gguf(gguf)
     remove_old_weight_cache()
     store = WeightStore(gguf, weights)
-    with compute_threads(choice.threads), step("weights"):
+    with compute_threads(choice.threads, choice.threads if weights == FLOAT32 else 1), step("weights"):
         forward = family.build_forward(config, store, context_length)
         if weights != FLOAT32:
             from ember.quant.jit import release_compiler_pages

@@ -47,12 +47,36 @@ def linear(x: np.ndarray, weight: Any, out: np.ndarray) -> np.ndarray:
     """
     if not isinstance(weight, np.ndarray):
         return weight.matmul(x, out)
+    features = weight.shape[0]
+    if (x.shape[0] * weight.size < SHARED_PRODUCT or parallel.threads() <= 1
+            or parallel.blas_threads() > 1):  # weights="float32": BLAS runs the products on its threads
+        _blas_product(x, weight, out)
+        return out
+    # BLAS keeps to one thread (`ember.quant.compute_threads`, quantized weights): ember's threads share
+    # the product in pieces of output features instead, each a single-threaded BLAS call
+    pieces = min(-(-features // 16), parallel.threads() * 4)
+    bounds = [features * i // pieces for i in range(pieces + 1)]
+
+    def piece(index: int) -> None:
+        start, stop = bounds[index], bounds[index + 1]
+        _blas_product(x, weight[start:stop], out[:, start:stop])
+
+    parallel.share(piece, pieces)
+    return out
+
+
+# Float32 products of at least this many multiply-adds are shared among ember's threads (`linear`).
+# Below it one thread is quicker than a share's ~20 us: Qwen3-30B-A3B's router in decode (1 x 2048 x
+# 128 = 2^18) takes ~30 us alone.
+SHARED_PRODUCT = 1 << 21
+
+
+def _blas_product(x: np.ndarray, weight: np.ndarray, out: np.ndarray) -> None:
     if x.shape[0] == 1:
         # A single row goes through BLAS gemv, which is faster than a one-row gemm.
         np.matmul(x[0], weight.T, out=out[0])
     else:
         np.matmul(x, weight.T, out=out)
-    return out
 
 
 def linear_at(x: np.ndarray, weight: Any, out: np.ndarray, columns: np.ndarray | None = None) -> np.ndarray:

@@ -38,6 +38,7 @@ from functools import cache
 import numpy as np
 
 _threads = 1
+_blas_threads = 1
 _pool_lock = threading.Lock()
 _inside = threading.local()  # set while a thread runs shared work: nested `share` calls run serially
 
@@ -47,14 +48,22 @@ def threads() -> int:
     return _threads
 
 
+def blas_threads() -> int:
+    """How many threads BLAS runs its own products on (1 unless `use_threads` says otherwise)."""
+    return _blas_threads
+
+
 @contextmanager
-def use_threads(count: int) -> Iterator[None]:
-    global _threads
-    saved, _threads = _threads, max(1, count)
+def use_threads(count: int, blas: int = 1) -> Iterator[None]:
+    """`share` on `count` threads inside the block; `blas`: the threads BLAS is set to there, which
+    its callers may rely on (the caller sets them)."""
+    global _threads, _blas_threads
+    saved = _threads, _blas_threads
+    _threads, _blas_threads = max(1, count), max(1, blas)
     try:
         yield
     finally:
-        _threads = saved
+        _threads, _blas_threads = saved
 
 
 class _Job:
