@@ -59,8 +59,8 @@ def _common(records: bool = True) -> argparse.ArgumentParser:
                        help="engine/BLAS threads (default: the cores other processes leave free)")
     group.add_argument("--weights", choices=("quantized", "float32", "quantized-q8"), default="quantized",
                        help="keep weights in the file's encoding, or dequantize them; quantized-q8: also "
-                       "round the Q4_K/Q6_K products' activations to 8 bits as llama.cpp does (faster, not "
-                       "float32-exact) (default: %(default)s)")
+                       "round the activations of Q4_K/Q6_K/Q8_0/Q5_0 products to 8 bits as llama.cpp does "
+                       "(faster, not float32-exact) (default: %(default)s)")
     group.add_argument("--experiment", action="append", default=[], metavar="NAME[:k=v,...]",
                        help="attach an experiment (generate only; refused with inspection surfaces)")
     group.add_argument("--trace", metavar="FILE", default=None,

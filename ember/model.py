@@ -468,7 +468,7 @@ def load_model(
     leave free, looked at once a process (`ember.cores`); one line on stderr when that is fewer).
     weights: "quantized" (default: the file's own encoding, mapped, multiplied by numba kernels) or
     "float32" (dequantized at load, BLAS everywhere: 4–8× the memory), or "quantized-q8" (as
-    "quantized", but the Q4_K/Q6_K products round activations to 8 bits as llama.cpp does: faster,
+    "quantized", but the Q4_K/Q6_K/Q8_0/Q5_0 products round activations to 8 bits as llama.cpp does: faster,
     no longer float32-exact; `ember.quant.q8`). Where numba cannot run, the quantized modes fall back to
     "float32" with a one-line notice on stderr.
     check_memory: refuse (`ember.memory.MemoryLimitError`) a model that would not fit in the memory

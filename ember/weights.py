@@ -9,9 +9,9 @@
 * mode `"float32"`: every matrix is dequantized into process memory at load (gguf-py and NumPy, no
   JIT), and BLAS multiplies everything. About 4–8× the file's size in memory; what ember falls back to
   when the kernels cannot run.
-* mode `"quantized-q8"`: as "quantized", but the products of Q4_K and Q6_K matrices round their
+* mode `"quantized-q8"`: as "quantized", but the products of Q4_K, Q6_K, Q8_0 and Q5_0 matrices round their
   activations to 8 bits first, as llama.cpp does (`ember.quant.q8`): faster decode, activations no
-  longer float32-exact (about 1/254 of a 256-value block's largest value). Opt-in.
+  longer float32-exact (about 1/254 of a 256- or 32-value block's largest value). Opt-in.
 
 Embedding tables that are not also the LM head are never dequantized whole in either mode: `table()`
 returns something whose `rows(ids, out)` decodes only the requested rows.

@@ -22,6 +22,8 @@ pytestmark = pytest.mark.skipif(not q8.AVAILABLE, reason="the 8-bit products nee
 RNG = np.random.default_rng(8)
 # ggml's block_q8_K: float d, 256 signed bytes, 16 int16 sums of 16
 Q8_K = np.dtype([("d", "<f4"), ("qs", "i1", 256), ("bsums", "<i2", 16)])
+# ggml's block_q8_0: f16 d, 32 signed bytes (the activations' rounding for Q8_0 weights)
+Q8_0 = np.dtype([("d", "<f2"), ("qs", "i1", 32)])
 
 
 def activations(columns: int) -> list[np.ndarray]:
@@ -45,7 +47,9 @@ def ggml():
     lib = ctypes.CDLL(os.path.join(os.path.dirname(llama_cpp.__file__), "lib", "libggml-cpu.so"))
     lib.ggml_cpu_init()
     lib.quantize_row_q8_K.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
-    for name in ("ggml_vec_dot_q4_K_q8_K", "ggml_vec_dot_q6_K_q8_K"):
+    lib.quantize_row_q8_0.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    for name in ("ggml_vec_dot_q4_K_q8_K", "ggml_vec_dot_q6_K_q8_K", "ggml_vec_dot_q8_0_q8_0",
+                 "ggml_vec_dot_q5_0_q8_0"):
         getattr(lib, name).argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p,
                                        ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     return lib
@@ -54,6 +58,12 @@ def ggml():
 def ggml_q8_k(lib, x: np.ndarray) -> np.ndarray:
     blocks = np.zeros(x.shape[0] // 256, Q8_K)
     lib.quantize_row_q8_K(np.ascontiguousarray(x).ctypes.data, blocks.ctypes.data, x.shape[0])
+    return blocks
+
+
+def ggml_q8_0(lib, x: np.ndarray) -> np.ndarray:
+    blocks = np.zeros(x.shape[0] // 32, Q8_0)
+    lib.quantize_row_q8_0(np.ascontiguousarray(x).ctypes.data, blocks.ctypes.data, x.shape[0])
     return blocks
 
 
@@ -70,18 +80,26 @@ def test_activations_round_to_bytes_as_llama_cpp_rounds_them(ggml):
         np.testing.assert_array_equal(ours.values[0], expected["qs"].reshape(-1))
         np.testing.assert_array_equal(ours.sums16[0], expected["bsums"].reshape(-1))
         np.testing.assert_array_equal(ours.sums32[0, :-8], expected["bsums"].reshape(-1, 2).sum(axis=1))
+        # for Q8_0 weights: 32 values a scale, the scale an f16 (ggml-cpu's run-time quantize_row_q8_0)
+        expected = ggml_q8_0(ggml, x)
+        ours = QuantizedActivation(x[None], "q8_0")
+        np.testing.assert_array_equal(ours.scales[0], expected["d"].astype(np.float32))
+        np.testing.assert_array_equal(ours.values[0], expected["qs"].reshape(-1))
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K])
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q5_0])
 def test_rows_times_rounded_activations_equal_llama_cpps_dot(ggml, qtype):
     rows, columns = 37, 1024
     data = random_encoded(qtype, rows, columns)
     data.flags.writeable = False
     matrix = QuantizedMatrix("w", data, int(qtype), (rows, columns), q8=True)
     assert matrix.q8
-    dot = getattr(ggml, f"ggml_vec_dot_{qtype.name.lower().replace('_k', '_K')}_q8_K")
+    if qtype in (Q.Q8_0, Q.Q5_0):  # weights of 32-value blocks: x rounded as ggml's Q8_0
+        dot, rounded = getattr(ggml, f"ggml_vec_dot_{qtype.name.lower()}_q8_0"), ggml_q8_0
+    else:
+        dot, rounded = getattr(ggml, f"ggml_vec_dot_{qtype.name.lower().replace('_k', '_K')}_q8_K"), ggml_q8_k
     for x in activations(columns):
-        y = ggml_q8_k(ggml, x)
+        y = rounded(ggml, x)
         expected = np.empty(rows, np.float32)
         result = ctypes.c_float()
         for r in range(rows):
@@ -92,7 +110,7 @@ def test_rows_times_rounded_activations_equal_llama_cpps_dot(ggml, qtype):
         np.testing.assert_allclose(ours, expected, rtol=0, atol=2e-6 * np.abs(expected).max())
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K])
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q5_0])
 def test_products_are_the_exact_sums_of_the_rounded_values(qtype):
     """Without llama.cpp: Σ W·(q·d) in float64 from gguf-py's dequantized rows."""
     rows, columns = 29, 768
@@ -100,30 +118,40 @@ def test_products_are_the_exact_sums_of_the_rounded_values(qtype):
     data.flags.writeable = False
     weight = reference_values(qtype, data).astype(np.float64)
     matrix = QuantizedMatrix("w", data, int(qtype), (rows, columns), q8=True)
+    block = 32 if qtype in (Q.Q8_0, Q.Q5_0) else 256
     for x in activations(columns):
-        rounded = QuantizedActivation(x[None])
+        rounded = QuantizedActivation(x[None], "q8_0" if block == 32 else "q8_k")
         scales = rounded.scales.reshape(-1, 1).astype(np.float64)
-        values = (rounded.values.reshape(-1, 256) * scales).reshape(-1)
-        assert np.abs(values - x).max() <= np.abs(x).max() / 254 * 1.0001  # half a step of the block's scale
+        values = (rounded.values.reshape(-1, block) * scales).reshape(-1)
+        # half a step of the block's scale (Q8_0's scale an f16: its rounding, 2^-11, on top)
+        assert np.abs(values - x).max() <= np.abs(x).max() / 254 * 1.002
         expected = weight @ values
         np.testing.assert_allclose(q8_matvec(matrix, x), expected, rtol=0, atol=1e-6 * np.abs(expected).max())
 
 
-def test_only_stacks_of_k_quants_round_and_each_row_rounds_alone(monkeypatch):
+def test_only_stacks_of_one_rounding_round_and_each_row_rounds_alone(monkeypatch):
     import ember.quant.matrix as matrix_module
 
     monkeypatch.setattr(matrix_module, "PIECE_VALUES", 16 * 256)  # pieces of 16 rows
     columns = 512
     parts = {qtype: QuantizedMatrix(qtype.name, random_encoded(qtype, 40, columns), int(qtype), (40, columns),
                                     q8=True) for qtype in (Q.Q4_K, Q.Q6_K, Q.Q8_0)}
-    assert parts[Q.Q4_K].q8 and parts[Q.Q6_K].q8 and not parts[Q.Q8_0].q8
+    assert parts[Q.Q4_K].q8 and parts[Q.Q6_K].q8 and parts[Q.Q8_0].q8
+    plain_q4_1 = QuantizedMatrix("q4_1", random_encoded(Q.Q4_1, 40, columns), int(Q.Q4_1), (40, columns),
+                                 q8=True)
+    assert not plain_q4_1.q8  # no 8-bit product for this type: float32 activations in every mode
     x = RNG.standard_normal(columns).astype(np.float32)
     k_quants = StackedMatrix([parts[Q.Q4_K], parts[Q.Q6_K], parts[Q.Q4_K]])
     assert k_quants.q8
     expected = np.concatenate([q8_matvec(parts[qtype], x) for qtype in (Q.Q4_K, Q.Q6_K, Q.Q4_K)])
     np.testing.assert_array_equal(q8_matvec(k_quants, x), expected)  # row for row the same sums
+    q5_0 = QuantizedMatrix("q5_0", random_encoded(Q.Q5_0, 40, columns), int(Q.Q5_0), (40, columns), q8=True)
+    q8_0s = StackedMatrix([parts[Q.Q8_0], q5_0])  # both round x in 32-value blocks
+    assert q8_0s.q8
+    np.testing.assert_array_equal(q8_matvec(q8_0s, x),
+                                  np.concatenate([q8_matvec(parts[Q.Q8_0], x), q8_matvec(q5_0, x)]))
     mixed = StackedMatrix([parts[Q.Q4_K], parts[Q.Q8_0]])
-    assert not mixed.q8  # one call for the stack: float32 for all of it
+    assert not mixed.q8  # two roundings of x in one call: float32 for all of it
     plain = [QuantizedMatrix(p.name, p.data, p.ggml_type, p.shape) for p in (parts[Q.Q4_K], parts[Q.Q8_0])]
     np.testing.assert_array_equal(q8_matvec(mixed, x), q8_matvec(StackedMatrix(plain), x))
     # prompts round too, each row as it would alone: a sequence's numbers do not depend on its batch
@@ -134,6 +162,9 @@ def test_only_stacks_of_k_quants_round_and_each_row_rounds_alone(monkeypatch):
         together = k_quants.matmul(rows, np.empty((count, k_quants.shape[0]), np.float32))
         for t in (0, count - 1):
             np.testing.assert_array_equal(together[t], q8_matvec(k_quants, rows[t]))
+        batch = q8_0s.matmul(rows, np.empty((count, q8_0s.shape[0]), np.float32))
+        for t in (0, count - 1):
+            np.testing.assert_array_equal(batch[t], q8_matvec(q8_0s, rows[t]))
     wide = np.zeros((count, 200), np.float32)  # written into a column slice of a wider buffer
     k_quants.matmul(rows, wide[:, 10:10 + k_quants.shape[0]])
     np.testing.assert_array_equal(wide[:, 10:10 + k_quants.shape[0]], together)

@@ -22,8 +22,8 @@ How `matmul` multiplies, by the number of activation rows T:
   summation order, and the same whatever the thread count (each output element comes from the same
   tile product). Why ember's threads and not BLAS's: `ember.parallel`.
 
-A matrix made with `q8=True` (weights="quantized-q8") whose parts are all Q4_K or Q6_K takes none of
-these: every product, whatever T, rounds the rows of x to 8 bits and multiplies integers
+A matrix made with `q8=True` (weights="quantized-q8") whose parts are all Q4_K or Q6_K, or all Q8_0 or Q5_0,
+takes none of these: every product, whatever T, rounds the rows of x to 8 bits and multiplies integers
 (`ember.quant.q8`, llama.cpp's numerics), on the threads as a short prompt's.
 """
 
@@ -107,9 +107,11 @@ _scratch = threading.local()
 
 
 def q8_supports(parts: Sequence[QuantizedMatrix]) -> bool:
-    """Whether `q8.matmul` multiplies these matrices: all Q4_K or Q6_K (whole 256-value blocks), on a
-    CPU with AVX2; other block types keep float32 activations in every mode."""
-    return q8.AVAILABLE and all(q8.supports(part.ggml_type) for part in parts)
+    """Whether the rounded products (`ember.quant.q8`) multiply these matrices: all Q4_K or Q6_K (x
+    rounded in 256-value blocks), or all Q8_0 or Q5_0 (in 32-value blocks), on a CPU with AVX2; other block
+    types, and stacks mixing the two roundings, keep float32 activations in every mode."""
+    return (q8.AVAILABLE and all(q8.supports(part.ggml_type) for part in parts)
+            and len({q8.rounding(part.ggml_type) for part in parts}) == 1)
 
 
 def tile_rows(rows: int, columns: int) -> int:
@@ -166,10 +168,15 @@ def _matvec(groups: list[KernelGroup], x: np.ndarray, out: np.ndarray) -> np.nda
 
 
 class QuantizedActivation:
-    """Activation rows x [T, columns] rounded to 8 bits as `q8.quantize_q8_k` rounds them, with their
-    block sums, one row of each array per row of x."""
+    """Activation rows x [T, columns] rounded to 8 bits for weights of one rounding (`q8.rounding`):
+    "q8_k" as `q8.quantize_q8_k` rounds them, with their block sums, or "q8_0" as `q8.quantize_q8_0`;
+    one row of each array per row of x."""
 
-    def __init__(self, x: np.ndarray) -> None:
+    def __init__(self, x: np.ndarray, rounding: str = "q8_k") -> None:
+        self.rounding = rounding
+        if rounding == "q8_0":
+            self.values, self.scales = q8.quantize_q8_0(np.ascontiguousarray(x))
+            return
         tokens, columns = x.shape
         blocks = columns // q8.BLOCK
         self.values = np.empty((tokens, columns), np.int8)
@@ -182,17 +189,29 @@ class QuantizedActivation:
     def operands(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         return self.values, self.scales, self.sums16, self.sums32
 
+    def multiply(self, group: KernelGroup, out: np.ndarray, counter: np.ndarray, piece: int) -> None:
+        """out[:, rows of group] = these rows times the group's weights (`q8.matmul`, `q8.matmul_q8_0`),
+        `piece` weight rows at a time through `counter`."""
+        if self.rounding == "q8_0":
+            q8.matmul_q8_0(*group, self.values, self.scales, out, kernels.F16_TABLE, counter, piece)
+        else:
+            q8.matmul(*group, *self.operands(), out, kernels.F16_TABLE, counter, piece)
+
+
+def _rounding(groups: list[KernelGroup]) -> str:
+    return q8.rounding(int(groups[0][0][0]))
+
 
 def _rounded_product(groups: list[KernelGroup], x: np.ndarray, out: np.ndarray) -> np.ndarray:
-    """out = x Wᵀ with the rows of x rounded to 8 bits (`ember.quant.q8`), every part of W Q4_K or Q6_K:
-    decode and prompts alike, on the threads as `_small_batch`."""
+    """out = x Wᵀ with the rows of x rounded to 8 bits (`ember.quant.q8`), the parts of W all of one
+    rounding (`q8_supports`): decode and prompts alike, on the threads as `_small_batch`."""
     if x.shape[0] == 0:
         return out
-    operands = QuantizedActivation(x).operands()
+    rounded = QuantizedActivation(x, _rounding(groups))
     piece = max(ROUNDED_MIN_PIECE, PIECE_VALUES // x.size // 4 * 4)
     return _into(out, lambda contiguous: _on_threads(
-        groups, out.shape[1], piece, out.shape[1] * x.size, lambda group, counter: q8.matmul(
-            *group, *operands, contiguous, kernels.F16_TABLE, counter, piece)))
+        groups, out.shape[1], piece, out.shape[1] * x.size, lambda group, counter: rounded.multiply(
+            group, contiguous, counter, piece)))
 
 
 def _into(out: np.ndarray, fill: Callable[[np.ndarray], None]) -> np.ndarray:
@@ -236,7 +255,7 @@ def multiply_each(products: Sequence[tuple[object, np.ndarray, np.ndarray]]) -> 
         single = x.shape[0] == 1
         if rounded:
             piece = max(ROUNDED_MIN_PIECE, PIECE_VALUES // x.size // 4 * 4)
-            rows = QuantizedActivation(x)
+            rows = QuantizedActivation(x, _rounding(groups))
         else:
             piece = (max(16, PIECE_VALUES // x.shape[1] // 16 * 16) if single
                      else max(4, PIECE_VALUES // x.size))
@@ -257,7 +276,7 @@ def multiply_each(products: Sequence[tuple[object, np.ndarray, np.ndarray]]) -> 
     def run(index: int) -> None:
         for (group, x, out, piece, single), counter in orders[index % 2]:
             if isinstance(x, QuantizedActivation):
-                q8.matmul(*group, *x.operands(), out, kernels.F16_TABLE, counter, piece)
+                x.multiply(group, out, counter, piece)
             elif single:
                 kernels.matvec(*group, x[0], out[0], kernels.F16_TABLE, counter, piece)
             else:
@@ -393,7 +412,8 @@ class StackedMatrix:
         self.offsets = list(itertools.accumulate((part.shape[0] for part in self.parts), initial=0))
         # decode multiplies every part in one kernel call when none of them is a float32 array
         self._quantized = all(isinstance(part, QuantizedMatrix) for part in self.parts)
-        self.q8 = self._quantized and all(part.q8 for part in self.parts)
+        # rounded products when every part rounds x the same way (one rounding of x for the call)
+        self.q8 = self._quantized and all(part.q8 for part in self.parts) and q8_supports(self.parts)
 
     @functools.cached_property
     def _groups(self) -> list[KernelGroup] | None:

@@ -6,7 +6,10 @@ per 256 values (ggml's Q8_K, `quantize_q8_k` below), and multiplies the weights'
 integer lanes (`simd.q4_k_q8_block`, `simd.q6_k_q8_block`): 4x the multiply-adds an instruction, at an
 error of up to half a step, 1/254 of each 256-value block's largest activation. `matmul` here is that
 product for the K-quants llama.cpp's Q4_K_M files are made of (Q4_K, Q6_K), for decode and prompts
-alike; `supports` says which block types it takes. In weights="quantized-q8" (`ember.weights`) every
+alike, and `matmul_q8_0` the product of Q8_0 and Q5_0 weights (which llama.cpp multiplies by x
+rounded per 32 values, ggml's Q8_0, `quantize_q8_0`; Gemma 4's Q4_K_M files keep their 704- and
+2112-column down projections in Q8_0 and Q5_0); `supports` says which block types are rounded,
+`rounding` how. In weights="quantized-q8" (`ember.weights`) every
 product of such a matrix goes here, whatever the number of rows, each row rounded and summed as it
 would be alone; the other products stay float32 (`ember.quant.matrix`). The float32 parts around them
 (attention) still sum in an order that depends on the batch, at the 1e-7 level, and a rounding step
@@ -27,8 +30,11 @@ from ember.quant import kernels, simd
 from ember.quant.jit import njit
 
 BLOCK = 256  # values of x per scale (ggml's QK_K)
-TYPES = (int(Q.Q4_K), int(Q.Q6_K))
-Q4_K, Q6_K = TYPES
+BLOCK_0 = 32  # ... for Q8_0 weights (ggml's QK8_0)
+K_TYPES = (int(Q.Q4_K), int(Q.Q6_K))  # x rounded as ggml's Q8_K (`quantize_q8_k`)
+Q4_K, Q6_K = K_TYPES
+Q8_0, Q5_0 = int(Q.Q8_0), int(Q.Q5_0)  # x rounded as ggml's Q8_0 (`quantize_q8_0`)
+TYPES = K_TYPES + (Q8_0, Q5_0)
 AVAILABLE = simd.has_avx2()
 # Rows asked for ahead of the one multiplied (`kernels.PREFETCH_ROWS`: 4 there). A token's Qwen3-30B-A3B
 # experts on one Zen 3 thread, runs alternated, medians of 6: 159 ms at 4 rows ahead, 125 at 12 and at 32.
@@ -37,6 +43,25 @@ PREFETCH_ROWS = 12
 
 def supports(ggml_type: int) -> bool:
     return ggml_type in TYPES
+
+
+def rounding(ggml_type: int) -> str:
+    """How x is rounded for a product with this block type: "q8_k" (256 values a scale) or "q8_0" (32)."""
+    return "q8_0" if ggml_type in (Q8_0, Q5_0) else "q8_k"
+
+
+def quantize_q8_0(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each row of x [T, columns] (columns a multiple of 32) as ggml-cpu's quantize_row_q8_0 rounds it
+    on x86 at run time: per block of 32, m the largest magnitude, scale d = m/127 stored as f16,
+    q = round-half-even(x·(127/m)) (0 for a block of zeros). Returns q [T, columns] int8 and the scales
+    as float32 [T, columns/32] (the f16 values). NumPy, not numba: the f16 rounding is NumPy's."""
+    blocks = x.reshape(x.shape[0], -1, BLOCK_0)
+    largest = np.abs(blocks).max(axis=2)
+    scales = (largest / np.float32(127.0)).astype(np.float16).astype(np.float32)
+    with np.errstate(divide="ignore"):
+        inverse = np.where(largest != 0, np.float32(127.0) / largest, np.float32(0.0)).astype(np.float32)
+    values = np.rint(blocks * inverse[:, :, None]).astype(np.int8).reshape(x.shape)
+    return values, scales
 
 
 @njit(nogil=True, cache=True)
@@ -149,3 +174,43 @@ def matmul(qtypes, parts, offsets, q8, scales, sums16, sums32, out, table, count
                     for j in range(count):
                         out[t0 + j, base + r] = simd.sum_lanes16(acc, 16 * j)
                     t0 += count
+
+
+@njit(nogil=True, fastmath=True, cache=True)
+def matmul_q8_0(qtypes, parts, offsets, q8, scales, out, table, counter, piece):
+    """out[t, r] = Σ_c W[r, c]·x[t, c] for every row t of x, given rounded (`quantize_q8_0`: q8 and its
+    block scales, C-contiguous), every part of W Q8_0 or Q5_0: per block of 32, the integer sum of w·y
+    times the two scales, summed over blocks in 4 banks of 8 lanes (`simd.q8_0_q8_block`,
+    `simd.q5_0_q8_block`), as ggml_vec_dot_q8_0_q8_0 / ggml_vec_dot_q5_0_q8_0 (in one bank) do.
+    Shared as `matmul` is; a row's values do not depend on its batch."""
+    rows = offsets[-1]
+    tokens, columns = q8.shape
+    blocks = columns // BLOCK_0
+    flat = q8.reshape(-1)
+    acc = np.empty(32, np.float32)  # 4 banks of 8 lanes, block b in bank b % 4
+    while True:
+        first = simd.claim(counter) * piece
+        if first >= rows:
+            return
+        stop = min(first + piece, rows)
+        for part in range(len(qtypes)):
+            base = offsets[part]
+            start, end = max(first, base) - base, min(stop, offsets[part + 1]) - base
+            data = parts[part]
+            eight = qtypes[part] == Q8_0
+            for r in range(start, end):
+                kernels.prefetch_ahead(data, r, end, PREFETCH_ROWS)
+                row = data[r]
+                for t in range(tokens):
+                    acc[:] = 0.0
+                    for b in range(blocks):
+                        y_at = t * columns + b * BLOCK_0
+                        if eight:  # 34 bytes a block: f16 scale, 32 bytes
+                            at = b * 34
+                            simd.q8_0_q8_block(acc[(b & 3) * 8:], row, at, flat, y_at,
+                                               kernels._f16(table, row, at) * scales[t, b])
+                        else:  # Q5_0, 22 bytes a block: f16 scale, 4 bytes of high bits, 16 of nibbles
+                            at = b * 22
+                            simd.q5_0_q8_block(acc[(b & 3) * 8:], row, at, flat, y_at,
+                                               kernels._f16(table, row, at) * scales[t, b])
+                    out[t, base + r] = simd.sum_lanes16(acc, 0) + simd.sum_lanes16(acc, 16)

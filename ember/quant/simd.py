@@ -889,6 +889,60 @@ half h: the low and high nibble of bytes 64h + j and 64h + 32 + j, and 2-bit pai
     return intrinsic(typer)
 
 
+def _signed_products_into(context, builder, acc_t, acc_v, w, y, scale_v) -> None:
+    """acc[0 : 8] += scale · (Σ over pairs of w·y) for 32 signed bytes w and y, in 8 int32 lanes of pair
+    sums, as ggml forms them on AVX2 (|w| times y with w's sign; exact: |w·y| ≤ 128·127)."""
+    magnitude = _x86(builder, "llvm.x86.avx2.psign.b", _BYTES32, w, w)
+    signed = _x86(builder, "llvm.x86.avx2.psign.b", _BYTES32, y, w)
+    ints = _byte_products(builder, magnitude, signed, ir.Constant(_SHORTS16, [1] * 16))
+    _add_floats(context, builder, acc_t, acc_v, _i64(0), _times(builder, ints, scale_v))
+
+
+@intrinsic
+def q8_0_q8_block(typingctx, acc, src, at, q8, q8_at, scale):
+    """acc[0 : 8] += scale · Σ w·y in 8 lanes: one Q8_0 block (34 bytes at src[at…]: an f16 scale, then
+    32 signed bytes w) times 32 signed bytes y = q8[q8_at…]: ggml_vec_dot_q8_0_q8_0's block."""
+    signature = types.void(acc, src, at, q8, q8_at, scale)
+
+    def codegen(context, builder, sig, args):
+        acc_v, src_v, at_v, q8_v, q8_at_v, scale_v = _canonical(context, builder, sig, args)
+        acc_t, src_t, _, q8_t = sig.args[:4]
+        w = _vector_at(context, builder, src_t, src_v, builder.add(at_v, _i64(2)), _BYTES32)
+        y = _vector_at(context, builder, q8_t, q8_v, q8_at_v, _BYTES32)
+        _signed_products_into(context, builder, acc_t, acc_v, w, y, scale_v)
+        return context.get_dummy_value()
+
+    return signature, codegen
+
+
+@intrinsic
+def q5_0_q8_block(typingctx, acc, src, at, q8, q8_at, scale):
+    """acc[0 : 8] += scale · Σ w·y in 8 lanes: one Q5_0 block (22 bytes at src[at…]: an f16 scale, 32 high
+    bits, 16 bytes of nibbles; w_j = (nibble_j | bit_j << 4) − 16, nibbles 0-15 the low halves of the
+    bytes, 16-31 the high) times 32 signed bytes y = q8[q8_at…]: ggml_vec_dot_q5_0_q8_0's block, which
+    forms w as the nibble OR'd with 0xF0 where the high bit is clear."""
+    signature = types.void(acc, src, at, q8, q8_at, scale)
+
+    def codegen(context, builder, sig, args):
+        acc_v, src_v, at_v, q8_v, q8_at_v, scale_v = _canonical(context, builder, sig, args)
+        acc_t, src_t, _, q8_t = sig.args[:4]
+        data = context.make_array(src_t)(context, builder, src_v).data
+        high = builder.load(builder.bitcast(builder.gep(data, [builder.add(at_v, _i64(2))]),
+                                            ir.PointerType(_I32)), align=1)
+        clear = builder.sext(builder.bitcast(builder.xor(high, ir.Constant(_I32, -1)), ir.VectorType(
+            ir.IntType(1), 32)), _BYTES32)  # 0xFF where the bit is clear
+        packed = _byte_lanes(context, builder, src_t, src_v, builder.add(at_v, _i64(6)))
+        both = builder.shuffle_vector(builder.and_(packed, ir.Constant(packed.type, [15] * 16)),
+                                      builder.lshr(packed, ir.Constant(packed.type, [4] * 16)),
+                                      ir.Constant(ir.VectorType(_I32, 32), list(range(32))))
+        w = builder.or_(both, builder.and_(clear, ir.Constant(_BYTES32, [0xF0] * 32)))
+        y = _vector_at(context, builder, q8_t, q8_v, q8_at_v, _BYTES32)
+        _signed_products_into(context, builder, acc_t, acc_v, w, y, scale_v)
+        return context.get_dummy_value()
+
+    return signature, codegen
+
+
 q4_k_q8_block_1, q4_k_q8_block_2, q4_k_q8_block_3, q4_k_q8_block_4, q4_k_q8_block_8 = (
     _q4_k_q8(n) for n in (1, 2, 3, 4, 8))
 q6_k_q8_block_1, q6_k_q8_block_2, q6_k_q8_block_3, q6_k_q8_block_4, q6_k_q8_block_8 = (
