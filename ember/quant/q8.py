@@ -176,18 +176,46 @@ def matmul(qtypes, parts, offsets, q8, scales, sums16, sums32, out, table, count
                     t0 += count
 
 
+@njit(inline="always")
+def _block_0(eight, tokens, acc, w, at, y, y_at, stride, xs, xs_at, blocks, d):
+    """`simd.q{8,5}_0_q8_block_<tokens>`: one block of a weight row w times `tokens` rows of x."""
+    if eight:
+        if tokens == 8:
+            simd.q8_0_q8_block_8(acc, w, at, y, y_at, stride, xs, xs_at, blocks, d)
+        elif tokens == 4:
+            simd.q8_0_q8_block_4(acc, w, at, y, y_at, stride, xs, xs_at, blocks, d)
+        elif tokens == 3:
+            simd.q8_0_q8_block_3(acc, w, at, y, y_at, stride, xs, xs_at, blocks, d)
+        elif tokens == 2:
+            simd.q8_0_q8_block_2(acc, w, at, y, y_at, stride, xs, xs_at, blocks, d)
+        else:
+            simd.q8_0_q8_block_1(acc, w, at, y, y_at, stride, xs, xs_at, blocks, d)
+    elif tokens == 8:
+        simd.q5_0_q8_block_8(acc, w, at, y, y_at, stride, xs, xs_at, blocks, d)
+    elif tokens == 4:
+        simd.q5_0_q8_block_4(acc, w, at, y, y_at, stride, xs, xs_at, blocks, d)
+    elif tokens == 3:
+        simd.q5_0_q8_block_3(acc, w, at, y, y_at, stride, xs, xs_at, blocks, d)
+    elif tokens == 2:
+        simd.q5_0_q8_block_2(acc, w, at, y, y_at, stride, xs, xs_at, blocks, d)
+    else:
+        simd.q5_0_q8_block_1(acc, w, at, y, y_at, stride, xs, xs_at, blocks, d)
+
+
 @njit(nogil=True, fastmath=True, cache=True)
 def matmul_q8_0(qtypes, parts, offsets, q8, scales, out, table, counter, piece):
     """out[t, r] = Σ_c W[r, c]·x[t, c] for every row t of x, given rounded (`quantize_q8_0`: q8 and its
     block scales, C-contiguous), every part of W Q8_0 or Q5_0: per block of 32, the integer sum of w·y
-    times the two scales, summed over blocks in 4 banks of 8 lanes (`simd.q8_0_q8_block`,
-    `simd.q5_0_q8_block`), as ggml_vec_dot_q8_0_q8_0 / ggml_vec_dot_q5_0_q8_0 (in one bank) do.
-    Shared as `matmul` is; a row's values do not depend on its batch."""
+    times the two scales (`simd.q8_0_q8_block_<n>`, `simd.q5_0_q8_block_<n>`), as
+    ggml_vec_dot_q8_0_q8_0 / ggml_vec_dot_q5_0_q8_0. A block's values are formed once for 8 rows of x
+    (the last few: up to 4), each row's blocks summed in 4 banks of 8 lanes (block b in bank b % 4: four
+    independent chains of additions; one bank, as ggml, ran one row 3-10% slower),
+    the same for any number of rows: a row's values do not depend on its batch. Shared as `matmul` is."""
     rows = offsets[-1]
     tokens, columns = q8.shape
     blocks = columns // BLOCK_0
-    flat = q8.reshape(-1)
-    acc = np.empty(32, np.float32)  # 4 banks of 8 lanes, block b in bank b % 4
+    flat, xs = q8.reshape(-1), scales.reshape(-1)
+    acc = np.empty(32 * 8, np.float32)  # row j of x, bank k: acc[32j + 8k : 32j + 8k + 8]
     while True:
         first = simd.claim(counter) * piece
         if first >= rows:
@@ -198,19 +226,28 @@ def matmul_q8_0(qtypes, parts, offsets, q8, scales, out, table, counter, piece):
             start, end = max(first, base) - base, min(stop, offsets[part + 1]) - base
             data = parts[part]
             eight = qtypes[part] == Q8_0
+            block_bytes = 34 if eight else 22  # an f16 scale, then 32 bytes / 4 bytes of high bits + 16
             for r in range(start, end):
                 kernels.prefetch_ahead(data, r, end, PREFETCH_ROWS)
                 row = data[r]
-                for t in range(tokens):
-                    acc[:] = 0.0
+                t0 = 0
+                while t0 < tokens:
+                    count = 8 if tokens - t0 >= 8 else min(4, tokens - t0)
+                    acc[:32 * count] = 0.0
                     for b in range(blocks):
-                        y_at = t * columns + b * BLOCK_0
-                        if eight:  # 34 bytes a block: f16 scale, 32 bytes
-                            at = b * 34
-                            simd.q8_0_q8_block(acc[(b & 3) * 8:], row, at, flat, y_at,
-                                               kernels._f16(table, row, at) * scales[t, b])
-                        else:  # Q5_0, 22 bytes a block: f16 scale, 4 bytes of high bits, 16 of nibbles
-                            at = b * 22
-                            simd.q5_0_q8_block(acc[(b & 3) * 8:], row, at, flat, y_at,
-                                               kernels._f16(table, row, at) * scales[t, b])
-                    out[t, base + r] = simd.sum_lanes16(acc, 0) + simd.sum_lanes16(acc, 16)
+                        at, y_at, xs_at = b * block_bytes, t0 * columns + b * BLOCK_0, t0 * blocks + b
+                        d = kernels._f16(table, row, at)
+                        if count == 1:  # decode: the primitive named, no dispatch on the row count
+                            if eight:
+                                simd.q8_0_q8_block_1(acc[(b & 3) * 8:], row, at, flat, y_at, columns, xs,
+                                                     xs_at, blocks, d)
+                            else:
+                                simd.q5_0_q8_block_1(acc[(b & 3) * 8:], row, at, flat, y_at, columns, xs,
+                                                     xs_at, blocks, d)
+                        else:
+                            _block_0(eight, count, acc[(b & 3) * 8:], row, at, flat, y_at, columns, xs, xs_at,
+                                     blocks, d)
+                    for j in range(count):
+                        out[t0 + j, base + r] = (simd.sum_lanes16(acc, 32 * j)
+                                                 + simd.sum_lanes16(acc, 32 * j + 16))
+                    t0 += count

@@ -889,58 +889,70 @@ half h: the low and high nibble of bytes 64h + j and 64h + 32 + j, and 2-bit pai
     return intrinsic(typer)
 
 
-def _signed_products_into(context, builder, acc_t, acc_v, w, y, scale_v) -> None:
-    """acc[0 : 8] += scale · (Σ over pairs of w·y) for 32 signed bytes w and y, in 8 int32 lanes of pair
-    sums, as ggml forms them on AVX2 (|w| times y with w's sign; exact: |w·y| ≤ 128·127)."""
+def _signed_products(builder, w, y):
+    """Σ over pairs of w·y for 32 signed bytes w and y, in 8 int32 lanes, as ggml forms them on AVX2
+    (|w| times y with w's sign; exact: |w·y| ≤ 128·127)."""
     magnitude = _x86(builder, "llvm.x86.avx2.psign.b", _BYTES32, w, w)
     signed = _x86(builder, "llvm.x86.avx2.psign.b", _BYTES32, y, w)
-    ints = _byte_products(builder, magnitude, signed, ir.Constant(_SHORTS16, [1] * 16))
-    _add_floats(context, builder, acc_t, acc_v, _i64(0), _times(builder, ints, scale_v))
+    return _byte_products(builder, magnitude, signed, ir.Constant(_SHORTS16, [1] * 16))
 
 
-@intrinsic
-def q8_0_q8_block(typingctx, acc, src, at, q8, q8_at, scale):
-    """acc[0 : 8] += scale · Σ w·y in 8 lanes: one Q8_0 block (34 bytes at src[at…]: an f16 scale, then
-    32 signed bytes w) times 32 signed bytes y = q8[q8_at…]: ggml_vec_dot_q8_0_q8_0's block."""
-    signature = types.void(acc, src, at, q8, q8_at, scale)
+def _q5_0_values(context, builder, src_t, src_v, at_v):
+    """A Q5_0 block's 32 values w_j = (nibble_j | bit_j << 4) − 16 as signed bytes (nibbles 0-15 the low
+    halves of bytes 6-21, 16-31 the high halves; bits from the u32 at byte 2), formed as ggml does: the
+    nibble OR'd with 0xF0 where the high bit is clear."""
+    data = context.make_array(src_t)(context, builder, src_v).data
+    high = builder.load(builder.bitcast(builder.gep(data, [builder.add(at_v, _i64(2))]),
+                                        ir.PointerType(_I32)), align=1)
+    bits = builder.bitcast(builder.xor(high, ir.Constant(_I32, -1)), ir.VectorType(ir.IntType(1), 32))
+    clear = builder.sext(bits, _BYTES32)  # 0xFF where the bit is clear
+    packed = _byte_lanes(context, builder, src_t, src_v, builder.add(at_v, _i64(6)))
+    nibbles = builder.shuffle_vector(builder.and_(packed, ir.Constant(packed.type, [15] * 16)),
+                                     builder.lshr(packed, ir.Constant(packed.type, [4] * 16)),
+                                     ir.Constant(ir.VectorType(_I32, 32), list(range(32))))
+    return builder.or_(nibbles, builder.and_(clear, ir.Constant(_BYTES32, [0xF0] * 32)))
 
-    def codegen(context, builder, sig, args):
-        acc_v, src_v, at_v, q8_v, q8_at_v, scale_v = _canonical(context, builder, sig, args)
-        acc_t, src_t, _, q8_t = sig.args[:4]
-        w = _vector_at(context, builder, src_t, src_v, builder.add(at_v, _i64(2)), _BYTES32)
-        y = _vector_at(context, builder, q8_t, q8_v, q8_at_v, _BYTES32)
-        _signed_products_into(context, builder, acc_t, acc_v, w, y, scale_v)
-        return context.get_dummy_value()
 
-    return signature, codegen
+def _q8_0_q8(five: bool, tokens: int):
+    """The Q8_0 (or Q5_0) block primitive for `tokens` (1-4 or 8) rounded activation rows: the block's
+    32 values formed once, then multiplied by each row's 32 bytes."""
+
+    def typer(typingctx, acc, src, at, q8, q8_at, stride, xs, xs_at, xs_stride, d):
+        signature = types.void(acc, src, at, q8, q8_at, stride, xs, xs_at, xs_stride, d)
+
+        def codegen(context, builder, sig, args):
+            acc_v, src_v, at_v, q8_v, q8_at_v, stride_v, xs_v, xs_at_v, xs_stride_v, d_v = _canonical(
+                context, builder, sig, args)
+            acc_t, src_t, _, q8_t, _, _, xs_t = sig.args[:7]
+            if five:
+                w = _q5_0_values(context, builder, src_t, src_v, at_v)
+            else:
+                w = _vector_at(context, builder, src_t, src_v, builder.add(at_v, _i64(2)), _BYTES32)
+            xs_data = context.make_array(xs_t)(context, builder, xs_v).data
+            for t in range(tokens):
+                y_at = builder.add(q8_at_v, builder.mul(stride_v, _i64(t)))
+                y = _vector_at(context, builder, q8_t, q8_v, y_at, _BYTES32)
+                xs_at = builder.add(xs_at_v, builder.mul(xs_stride_v, _i64(t)))
+                scale_x = builder.load(builder.gep(xs_data, [xs_at]))
+                _add_floats(context, builder, acc_t, acc_v, _i64(32 * t),
+                            _times(builder, _signed_products(builder, w, y), builder.fmul(d_v, scale_x)))
+            return context.get_dummy_value()
+
+        return signature, codegen
+
+    name = "q5_0" if five else "q8_0"
+    typer.__name__ = typer.__qualname__ = f"{name}_q8_block_{tokens}"
+    content = "32 high bits and 16 bytes of nibbles" if five else "32 signed bytes"
+    typer.__doc__ = f"""acc[32t : 32t+8] += d·xs[xs_at + t·xs_stride] · Σ w·y_t in 8 lanes for t < {tokens}:
+one {name.upper()} block at src[at…] (an f16 scale d, read by the caller, then {content}) times 32
+signed bytes y_t = q8[q8_at + t·stride …] of each row: ggml_vec_dot_{name}_q8_0's block, row by row."""
+    return intrinsic(typer)
 
 
-@intrinsic
-def q5_0_q8_block(typingctx, acc, src, at, q8, q8_at, scale):
-    """acc[0 : 8] += scale · Σ w·y in 8 lanes: one Q5_0 block (22 bytes at src[at…]: an f16 scale, 32 high
-    bits, 16 bytes of nibbles; w_j = (nibble_j | bit_j << 4) − 16, nibbles 0-15 the low halves of the
-    bytes, 16-31 the high) times 32 signed bytes y = q8[q8_at…]: ggml_vec_dot_q5_0_q8_0's block, which
-    forms w as the nibble OR'd with 0xF0 where the high bit is clear."""
-    signature = types.void(acc, src, at, q8, q8_at, scale)
-
-    def codegen(context, builder, sig, args):
-        acc_v, src_v, at_v, q8_v, q8_at_v, scale_v = _canonical(context, builder, sig, args)
-        acc_t, src_t, _, q8_t = sig.args[:4]
-        data = context.make_array(src_t)(context, builder, src_v).data
-        high = builder.load(builder.bitcast(builder.gep(data, [builder.add(at_v, _i64(2))]),
-                                            ir.PointerType(_I32)), align=1)
-        clear = builder.sext(builder.bitcast(builder.xor(high, ir.Constant(_I32, -1)), ir.VectorType(
-            ir.IntType(1), 32)), _BYTES32)  # 0xFF where the bit is clear
-        packed = _byte_lanes(context, builder, src_t, src_v, builder.add(at_v, _i64(6)))
-        both = builder.shuffle_vector(builder.and_(packed, ir.Constant(packed.type, [15] * 16)),
-                                      builder.lshr(packed, ir.Constant(packed.type, [4] * 16)),
-                                      ir.Constant(ir.VectorType(_I32, 32), list(range(32))))
-        w = builder.or_(both, builder.and_(clear, ir.Constant(_BYTES32, [0xF0] * 32)))
-        y = _vector_at(context, builder, q8_t, q8_v, q8_at_v, _BYTES32)
-        _signed_products_into(context, builder, acc_t, acc_v, w, y, scale_v)
-        return context.get_dummy_value()
-
-    return signature, codegen
+q8_0_q8_block_1, q8_0_q8_block_2, q8_0_q8_block_3, q8_0_q8_block_4, q8_0_q8_block_8 = (
+    _q8_0_q8(False, n) for n in (1, 2, 3, 4, 8))
+q5_0_q8_block_1, q5_0_q8_block_2, q5_0_q8_block_3, q5_0_q8_block_4, q5_0_q8_block_8 = (
+    _q8_0_q8(True, n) for n in (1, 2, 3, 4, 8))
 
 
 q4_k_q8_block_1, q4_k_q8_block_2, q4_k_q8_block_3, q4_k_q8_block_4, q4_k_q8_block_8 = (
