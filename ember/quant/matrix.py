@@ -193,9 +193,9 @@ class QuantizedActivation:
         """out[:, rows of group] = these rows times the group's weights (`q8.matmul`, `q8.matmul_q8_0`),
         `piece` weight rows at a time through `counter`."""
         if self.rounding == "q8_0":
-            q8.matmul_q8_0(*group, self.values, self.scales, out, kernels.F16_TABLE, counter, piece)
+            q8.matmul_q8_0(*group, self.values, self.scales, out, counter, piece)
         else:
-            q8.matmul(*group, *self.operands(), out, kernels.F16_TABLE, counter, piece)
+            q8.matmul(*group, *self.operands(), out, counter, piece)
 
 
 def _rounding(groups: list[KernelGroup]) -> str:

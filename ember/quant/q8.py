@@ -38,7 +38,9 @@ TYPES = K_TYPES + (Q8_0, Q5_0)
 AVAILABLE = simd.has_avx2()
 # Rows asked for ahead of the one multiplied (`kernels.PREFETCH_ROWS`: 4 there). A token's Qwen3-30B-A3B
 # experts on one Zen 3 thread, runs alternated, medians of 6: 159 ms at 4 rows ahead, 125 at 12 and at 32.
-PREFETCH_ROWS = 12
+PREFETCH_ROWS = 12  # ... up to the end of the part, past the piece: the next piece is
+# most often the same thread's (decode's experts: the threads start from opposite ends). Gemma-4-26B-A4B
+# decode (2 threads, Zen 3 VM, alternated): 218-224 ms a token stopping at the piece's end, 211-213 past it.
 
 
 def supports(ggml_type: int) -> bool:
@@ -99,33 +101,33 @@ def quantize_q8_k(x, q8, scales, sums16, sums32):
 
 
 @njit(inline="always")
-def _block(q4, tokens, acc, w, at, y, y_at, stride, sums, s_at, s_stride, xs, b, blocks, d, dmin):
+def _block(q4, tokens, acc, w, at, y, y_at, stride, sums, s_at, s_stride, xs, b, blocks):
     """`simd.q{4,6}_k_q8_block_<tokens>`: one super-block of a weight row w times `tokens` rows of x."""
     if q4:
         if tokens == 8:
-            simd.q4_k_q8_block_8(acc, w, at, y, y_at, stride, sums, s_at, s_stride, xs, b, blocks, d, dmin)
+            simd.q4_k_q8_block_8(acc, w, at, y, y_at, stride, sums, s_at, s_stride, xs, b, blocks)
         elif tokens == 4:
-            simd.q4_k_q8_block_4(acc, w, at, y, y_at, stride, sums, s_at, s_stride, xs, b, blocks, d, dmin)
+            simd.q4_k_q8_block_4(acc, w, at, y, y_at, stride, sums, s_at, s_stride, xs, b, blocks)
         elif tokens == 3:
-            simd.q4_k_q8_block_3(acc, w, at, y, y_at, stride, sums, s_at, s_stride, xs, b, blocks, d, dmin)
+            simd.q4_k_q8_block_3(acc, w, at, y, y_at, stride, sums, s_at, s_stride, xs, b, blocks)
         elif tokens == 2:
-            simd.q4_k_q8_block_2(acc, w, at, y, y_at, stride, sums, s_at, s_stride, xs, b, blocks, d, dmin)
+            simd.q4_k_q8_block_2(acc, w, at, y, y_at, stride, sums, s_at, s_stride, xs, b, blocks)
         else:
-            simd.q4_k_q8_block_1(acc, w, at, y, y_at, stride, sums, s_at, s_stride, xs, b, blocks, d, dmin)
+            simd.q4_k_q8_block_1(acc, w, at, y, y_at, stride, sums, s_at, s_stride, xs, b, blocks)
     elif tokens == 8:
-        simd.q6_k_q8_block_8(acc, w, at, y, y_at, stride, sums, s_at, s_stride, xs, b, blocks, d)
+        simd.q6_k_q8_block_8(acc, w, at, y, y_at, stride, sums, s_at, s_stride, xs, b, blocks)
     elif tokens == 4:
-        simd.q6_k_q8_block_4(acc, w, at, y, y_at, stride, sums, s_at, s_stride, xs, b, blocks, d)
+        simd.q6_k_q8_block_4(acc, w, at, y, y_at, stride, sums, s_at, s_stride, xs, b, blocks)
     elif tokens == 3:
-        simd.q6_k_q8_block_3(acc, w, at, y, y_at, stride, sums, s_at, s_stride, xs, b, blocks, d)
+        simd.q6_k_q8_block_3(acc, w, at, y, y_at, stride, sums, s_at, s_stride, xs, b, blocks)
     elif tokens == 2:
-        simd.q6_k_q8_block_2(acc, w, at, y, y_at, stride, sums, s_at, s_stride, xs, b, blocks, d)
+        simd.q6_k_q8_block_2(acc, w, at, y, y_at, stride, sums, s_at, s_stride, xs, b, blocks)
     else:
-        simd.q6_k_q8_block_1(acc, w, at, y, y_at, stride, sums, s_at, s_stride, xs, b, blocks, d)
+        simd.q6_k_q8_block_1(acc, w, at, y, y_at, stride, sums, s_at, s_stride, xs, b, blocks)
 
 
 @njit(nogil=True, fastmath=True, cache=True)
-def matmul(qtypes, parts, offsets, q8, scales, sums16, sums32, out, table, counter, piece):
+def matmul(qtypes, parts, offsets, q8, scales, sums16, sums32, out, counter, piece):
     """out[t, r] = Σ_c W[r, c]·x[t, c] for every row t of x, given rounded (`quantize_q8_k`, one row of
     q8/scales/sums16/sums32 per row of x, each C-contiguous), every part of W Q4_K or Q6_K. W stacked
     and shared among threads as `kernels.matvec` takes it (pieces of `piece` rows through `counter`).
@@ -151,8 +153,23 @@ def matmul(qtypes, parts, offsets, q8, scales, sums16, sums32, out, table, count
             q4 = qtypes[part] == Q4_K
             block_bytes = 144 if q4 else 210
             sums, sums_stride, per_block = (flat32, stride32, 8) if q4 else (flat16, stride16, 16)
+            if tokens == 1:  # decode: a loop of one primitive per type
+                for r in range(start, end):
+                    kernels.prefetch_ahead(data, r, len(data), PREFETCH_ROWS)
+                    row = data[r]
+                    acc[:16] = 0.0
+                    if q4:
+                        for b in range(blocks):
+                            simd.q4_k_q8_block_1(acc, row, 144 * b, flat, BLOCK * b, columns, flat32, 8 * b,
+                                                 stride32, xs, b, blocks)
+                    else:
+                        for b in range(blocks):
+                            simd.q6_k_q8_block_1(acc, row, 210 * b, flat, BLOCK * b, columns, flat16, 16 * b,
+                                                 stride16, xs, b, blocks)
+                    out[0, base + r] = simd.sum_lanes16(acc, 0)
+                continue
             for r in range(start, end):
-                kernels.prefetch_ahead(data, r, end, PREFETCH_ROWS)
+                kernels.prefetch_ahead(data, r, len(data), PREFETCH_ROWS)
                 row = data[r]
                 t0 = 0
                 while t0 < tokens:
@@ -161,49 +178,41 @@ def matmul(qtypes, parts, offsets, q8, scales, sums16, sums32, out, table, count
                     for b in range(blocks):
                         at, y_at = b * block_bytes, t0 * columns + b * BLOCK
                         sums_at, xs_at = t0 * sums_stride + per_block * b, t0 * blocks + b
-                        # the type tested per block, each branch with its own scale reads: a select of the
-                        # two reads ran the product 4x slower (Zen 3, 1536 x 2048 Q4_K, 672 vs 172 us)
-                        if q4:
-                            d, dmin = kernels._f16(table, row, at), kernels._f16(table, row, at + 2)
-                            _block(True, count, acc, row, at, flat, y_at, columns, sums, sums_at,
-                                   sums_stride, xs, xs_at, blocks, d, dmin)
-                        else:
-                            d = kernels._f16(table, row, at + 208)
-                            _block(False, count, acc, row, at, flat, y_at, columns, sums, sums_at,
-                                   sums_stride, xs, xs_at, blocks, d, np.float32(0.0))
+                        _block(q4, count, acc, row, at, flat, y_at, columns, sums, sums_at, sums_stride, xs,
+                               xs_at, blocks)
                     for j in range(count):
                         out[t0 + j, base + r] = simd.sum_lanes16(acc, 16 * j)
                     t0 += count
 
 
 @njit(inline="always")
-def _block_0(eight, tokens, acc, w, at, y, y_at, stride, xs, xs_at, blocks, d):
+def _block_0(eight, tokens, acc, w, at, y, y_at, stride, xs, xs_at, blocks):
     """`simd.q{8,5}_0_q8_block_<tokens>`: one block of a weight row w times `tokens` rows of x."""
     if eight:
         if tokens == 8:
-            simd.q8_0_q8_block_8(acc, w, at, y, y_at, stride, xs, xs_at, blocks, d)
+            simd.q8_0_q8_block_8(acc, w, at, y, y_at, stride, xs, xs_at, blocks)
         elif tokens == 4:
-            simd.q8_0_q8_block_4(acc, w, at, y, y_at, stride, xs, xs_at, blocks, d)
+            simd.q8_0_q8_block_4(acc, w, at, y, y_at, stride, xs, xs_at, blocks)
         elif tokens == 3:
-            simd.q8_0_q8_block_3(acc, w, at, y, y_at, stride, xs, xs_at, blocks, d)
+            simd.q8_0_q8_block_3(acc, w, at, y, y_at, stride, xs, xs_at, blocks)
         elif tokens == 2:
-            simd.q8_0_q8_block_2(acc, w, at, y, y_at, stride, xs, xs_at, blocks, d)
+            simd.q8_0_q8_block_2(acc, w, at, y, y_at, stride, xs, xs_at, blocks)
         else:
-            simd.q8_0_q8_block_1(acc, w, at, y, y_at, stride, xs, xs_at, blocks, d)
+            simd.q8_0_q8_block_1(acc, w, at, y, y_at, stride, xs, xs_at, blocks)
     elif tokens == 8:
-        simd.q5_0_q8_block_8(acc, w, at, y, y_at, stride, xs, xs_at, blocks, d)
+        simd.q5_0_q8_block_8(acc, w, at, y, y_at, stride, xs, xs_at, blocks)
     elif tokens == 4:
-        simd.q5_0_q8_block_4(acc, w, at, y, y_at, stride, xs, xs_at, blocks, d)
+        simd.q5_0_q8_block_4(acc, w, at, y, y_at, stride, xs, xs_at, blocks)
     elif tokens == 3:
-        simd.q5_0_q8_block_3(acc, w, at, y, y_at, stride, xs, xs_at, blocks, d)
+        simd.q5_0_q8_block_3(acc, w, at, y, y_at, stride, xs, xs_at, blocks)
     elif tokens == 2:
-        simd.q5_0_q8_block_2(acc, w, at, y, y_at, stride, xs, xs_at, blocks, d)
+        simd.q5_0_q8_block_2(acc, w, at, y, y_at, stride, xs, xs_at, blocks)
     else:
-        simd.q5_0_q8_block_1(acc, w, at, y, y_at, stride, xs, xs_at, blocks, d)
+        simd.q5_0_q8_block_1(acc, w, at, y, y_at, stride, xs, xs_at, blocks)
 
 
 @njit(nogil=True, fastmath=True, cache=True)
-def matmul_q8_0(qtypes, parts, offsets, q8, scales, out, table, counter, piece):
+def matmul_q8_0(qtypes, parts, offsets, q8, scales, out, counter, piece):
     """out[t, r] = Σ_c W[r, c]·x[t, c] for every row t of x, given rounded (`quantize_q8_0`: q8 and its
     block scales, C-contiguous), every part of W Q8_0 or Q5_0: per block of 32, the integer sum of w·y
     times the two scales (`simd.q8_0_q8_block_<n>`, `simd.q5_0_q8_block_<n>`), as
@@ -228,7 +237,7 @@ def matmul_q8_0(qtypes, parts, offsets, q8, scales, out, table, counter, piece):
             eight = qtypes[part] == Q8_0
             block_bytes = 34 if eight else 22  # an f16 scale, then 32 bytes / 4 bytes of high bits + 16
             for r in range(start, end):
-                kernels.prefetch_ahead(data, r, end, PREFETCH_ROWS)
+                kernels.prefetch_ahead(data, r, len(data), PREFETCH_ROWS)
                 row = data[r]
                 t0 = 0
                 while t0 < tokens:
@@ -236,17 +245,16 @@ def matmul_q8_0(qtypes, parts, offsets, q8, scales, out, table, counter, piece):
                     acc[:32 * count] = 0.0
                     for b in range(blocks):
                         at, y_at, xs_at = b * block_bytes, t0 * columns + b * BLOCK_0, t0 * blocks + b
-                        d = kernels._f16(table, row, at)
                         if count == 1:  # decode: the primitive named, no dispatch on the row count
                             if eight:
                                 simd.q8_0_q8_block_1(acc[(b & 3) * 8:], row, at, flat, y_at, columns, xs,
-                                                     xs_at, blocks, d)
+                                                     xs_at, blocks)
                             else:
                                 simd.q5_0_q8_block_1(acc[(b & 3) * 8:], row, at, flat, y_at, columns, xs,
-                                                     xs_at, blocks, d)
+                                                     xs_at, blocks)
                         else:
                             _block_0(eight, count, acc[(b & 3) * 8:], row, at, flat, y_at, columns, xs, xs_at,
-                                     blocks, d)
+                                     blocks)
                     for j in range(count):
                         out[t0 + j, base + r] = (simd.sum_lanes16(acc, 32 * j)
                                                  + simd.sum_lanes16(acc, 32 * j + 16))

@@ -732,8 +732,9 @@ _FLOATS8 = ir.VectorType(_F32, 8)
 
 
 def has_avx2() -> bool:
-    """Whether this CPU has AVX2 (the 8-bit products' byte and 16-bit multiply-adds)."""
-    return has_cpu_flag("avx2")
+    """Whether this CPU has AVX2 (the 8-bit products' byte and 16-bit multiply-adds) and F16C (their
+    f16 scales, `_half`; every AVX2 CPU has it)."""
+    return has_cpu_flag("avx2") and has_cpu_flag("f16c")
 
 
 def _vector_at(context, builder, array_type, array, at, vector: ir.VectorType):
@@ -778,15 +779,16 @@ def _q4_k_q8(tokens: int):
     Zen 3, one thread, 8 rows times 768 x 2048 in cache: 341 us that way, 296 this way, 265 with 8
     rows at a time where 4 and 4 were two calls)."""
 
-    def typer(typingctx, acc, src, at, q8, q8_at, stride, sums32, sums_at, sums_stride, xs, xs_at, xs_stride,
-              d, dmin):
+    def typer(typingctx, acc, src, at, q8, q8_at, stride, sums32, sums_at, sums_stride, xs, xs_at, xs_stride):
         signature = types.void(acc, src, at, q8, q8_at, stride, sums32, sums_at, sums_stride, xs, xs_at,
-                               xs_stride, d, dmin)
+                               xs_stride)
 
         def codegen(context, builder, sig, args):
             (acc_v, src_v, at_v, q8_v, q8_at_v, stride_v, sums_v, sums_at_v, sums_stride_v, xs_v, xs_at_v,
-             xs_stride_v, d_v, dmin_v) = _canonical(context, builder, sig, args)
+             xs_stride_v) = _canonical(context, builder, sig, args)
             acc_t, src_t, _, q8_t, _, _, sums_t, _, _, xs_t = sig.args[:10]
+            d_v = _half(context, builder, src_t, src_v, at_v)
+            dmin_v = _half(context, builder, src_t, src_v, builder.add(at_v, _i64(2)))
             scales, minimums = _k_scale_ints(context, builder, src_t, src_v, builder.add(at_v, _i64(4)))
             nibbles = []
             for c in range(4):  # 64 values: 32 bytes, low nibbles sub-block 2c, high nibbles 2c+1
@@ -827,15 +829,15 @@ def _q6_k_q8(tokens: int):
     """The Q6_K super-block primitive for `tokens` (1-4 or 8) rounded activation rows at once, in the
     Q4_K one's order (8 rows times 2048 x 768 in cache: 402 us before, 314 after)."""
 
-    def typer(typingctx, acc, src, at, q8, q8_at, stride, sums16, sums_at, sums_stride, xs, xs_at, xs_stride,
-              d):
+    def typer(typingctx, acc, src, at, q8, q8_at, stride, sums16, sums_at, sums_stride, xs, xs_at, xs_stride):
         signature = types.void(acc, src, at, q8, q8_at, stride, sums16, sums_at, sums_stride, xs, xs_at,
-                               xs_stride, d)
+                               xs_stride)
 
         def codegen(context, builder, sig, args):
             (acc_v, src_v, at_v, q8_v, q8_at_v, stride_v, sums_v, sums_at_v, sums_stride_v, xs_v, xs_at_v,
-             xs_stride_v, d_v) = _canonical(context, builder, sig, args)
+             xs_stride_v) = _canonical(context, builder, sig, args)
             acc_t, src_t, _, q8_t, _, _, sums_t, _, _, xs_t = sig.args[:10]
+            d_v = _half(context, builder, src_t, src_v, builder.add(at_v, _i64(208)))
             raw = builder.sext(_byte_lanes(context, builder, src_t, src_v, builder.add(at_v, _i64(192))),
                                _vector(_I32))
 
@@ -889,6 +891,17 @@ half h: the low and high nibble of bytes 64h + j and 64h + 32 + j, and 2-bit pai
     return intrinsic(typer)
 
 
+def _half(context, builder, src_type, src, at):
+    """The f16 at bytes src[at], src[at + 1] as float32, converted by the CPU (F16C's vcvtph2ps: exact,
+    the value `kernels.F16_TABLE` holds): how the 8-bit products read their blocks' scales. The table's
+    256 KB competed with the streamed weights for L2: one Q4_K row of 2816 columns times 1408 rows (Zen 3,
+    one thread, weights out of cache, medians of 37) took 255-265 µs with the table, 219-234 with F16C
+    (in cache 185-190 / 196)."""
+    data = context.make_array(src_type)(context, builder, src).data
+    bits = builder.load(builder.bitcast(builder.gep(data, [at]), ir.PointerType(_I16)), align=1)
+    return builder.fpext(builder.bitcast(bits, ir.HalfType()), _F32)
+
+
 def _signed_products(builder, w, y):
     """Σ over pairs of w·y for 32 signed bytes w and y, in 8 int32 lanes, as ggml forms them on AVX2
     (|w| times y with w's sign; exact: |w·y| ≤ 128·127)."""
@@ -917,13 +930,14 @@ def _q8_0_q8(five: bool, tokens: int):
     """The Q8_0 (or Q5_0) block primitive for `tokens` (1-4 or 8) rounded activation rows: the block's
     32 values formed once, then multiplied by each row's 32 bytes."""
 
-    def typer(typingctx, acc, src, at, q8, q8_at, stride, xs, xs_at, xs_stride, d):
-        signature = types.void(acc, src, at, q8, q8_at, stride, xs, xs_at, xs_stride, d)
+    def typer(typingctx, acc, src, at, q8, q8_at, stride, xs, xs_at, xs_stride):
+        signature = types.void(acc, src, at, q8, q8_at, stride, xs, xs_at, xs_stride)
 
         def codegen(context, builder, sig, args):
-            acc_v, src_v, at_v, q8_v, q8_at_v, stride_v, xs_v, xs_at_v, xs_stride_v, d_v = _canonical(
+            acc_v, src_v, at_v, q8_v, q8_at_v, stride_v, xs_v, xs_at_v, xs_stride_v = _canonical(
                 context, builder, sig, args)
             acc_t, src_t, _, q8_t, _, _, xs_t = sig.args[:7]
+            d_v = _half(context, builder, src_t, src_v, at_v)
             if five:
                 w = _q5_0_values(context, builder, src_t, src_v, at_v)
             else:
@@ -944,7 +958,7 @@ def _q8_0_q8(five: bool, tokens: int):
     typer.__name__ = typer.__qualname__ = f"{name}_q8_block_{tokens}"
     content = "32 high bits and 16 bytes of nibbles" if five else "32 signed bytes"
     typer.__doc__ = f"""acc[32t : 32t+8] += d·xs[xs_at + t·xs_stride] · Σ w·y_t in 8 lanes for t < {tokens}:
-one {name.upper()} block at src[at…] (an f16 scale d, read by the caller, then {content}) times 32
+one {name.upper()} block at src[at…] (an f16 scale d, then {content}) times 32
 signed bytes y_t = q8[q8_at + t·stride …] of each row: ggml_vec_dot_{name}_q8_0's block, row by row."""
     return intrinsic(typer)
 
