@@ -97,9 +97,9 @@ HALF = 16  # handed to the kernels at run time (see kernels._decode)
 # The kernels take the parts of a stacked weight as a tuple of exactly this many (padded with empty
 # parts): numba compiles a function once per tuple length, ~30 s each on 2 cores.
 KERNEL_PARTS = 3
-# The rounded products (`ember.quant.q8`) take at least this many weight rows a piece: a piece's first
-# rows are not prefetched (the kernel asks for rows ahead within its piece), and a prompt's experts of
-# ~8 rows got 4-row pieces. Qwen3-30B-A3B prefill 128 (2 threads, Zen 3 VM, runs alternated, medians of
+# The rounded products (`ember.quant.q8`) take at least this many weight rows a piece: a piece costs a
+# claim and a cold start (measured when the kernel asked for rows ahead within its piece only; it now
+# looks past it), and a prompt's experts of ~8 rows got 4-row pieces. Qwen3-30B-A3B prefill 128 (2 threads, Zen 3 VM, runs alternated, medians of
 # 4): 12.95 tokens/s at 4, 13.14 at 16, 13.64 at 32.
 ROUNDED_MIN_PIECE = 32
 

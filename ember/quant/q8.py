@@ -56,14 +56,27 @@ def quantize_q8_0(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Each row of x [T, columns] (columns a multiple of 32) as ggml-cpu's quantize_row_q8_0 rounds it
     on x86 at run time: per block of 32, m the largest magnitude, scale d = m/127 stored as f16,
     q = round-half-even(x·(127/m)) (0 for a block of zeros). Returns q [T, columns] int8 and the scales
-    as float32 [T, columns/32] (the f16 values). NumPy, not numba: the f16 rounding is NumPy's."""
-    blocks = x.reshape(x.shape[0], -1, BLOCK_0)
-    largest = np.abs(blocks).max(axis=2)
-    scales = (largest / np.float32(127.0)).astype(np.float16).astype(np.float32)
-    with np.errstate(divide="ignore"):
-        inverse = np.where(largest != 0, np.float32(127.0) / largest, np.float32(0.0)).astype(np.float32)
-    values = np.rint(blocks * inverse[:, :, None]).astype(np.int8).reshape(x.shape)
+    as float32 [T, columns/32] (the f16 values)."""
+    values = np.empty(x.shape, np.int8)
+    scales = np.empty((x.shape[0], x.shape[1] // BLOCK_0), np.float32)
+    _round_q8_0(x, values, scales)
     return values, scales
+
+
+@njit(nogil=True, cache=True)
+def _round_q8_0(x, q8, scales):
+    """`quantize_q8_0` into q8 and scales. In numba: the NumPy version took 25-35 µs a call, and
+    Gemma-4-26B-A4B's decode rounds ~270 rows a token (each chosen expert's down projection its own)."""
+    for t in range(x.shape[0]):
+        for b in range(x.shape[1] // BLOCK_0):
+            start = b * BLOCK_0
+            largest = np.float32(0.0)
+            for i in range(start, start + BLOCK_0):
+                largest = max(largest, abs(x[t, i]))
+            scales[t, b] = simd.round_to_half(largest / np.float32(127.0))
+            inverse = np.float32(127.0) / largest if largest != 0 else np.float32(0.0)
+            for i in range(start, start + BLOCK_0):
+                q8[t, i] = np.int8(np.rint(x[t, i] * inverse))
 
 
 @njit(nogil=True, cache=True)

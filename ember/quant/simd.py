@@ -902,6 +902,18 @@ def _half(context, builder, src_type, src, at):
     return builder.fpext(builder.bitcast(bits, ir.HalfType()), _F32)
 
 
+@intrinsic
+def round_to_half(typingctx, value):
+    """A float32 rounded to the nearest f16 (ties to even, as NumPy's float16 conversion), as float32:
+    F16C's vcvtps2ph and back."""
+    signature = types.float32(types.float32)
+
+    def codegen(context, builder, sig, args):
+        return builder.fpext(builder.fptrunc(args[0], ir.HalfType()), _F32)
+
+    return signature, codegen
+
+
 def _signed_products(builder, w, y):
     """Σ over pairs of w·y for 32 signed bytes w and y, in 8 int32 lanes, as ggml forms them on AVX2
     (|w| times y with w's sign; exact: |w·y| ≤ 128·127)."""
