@@ -99,8 +99,8 @@ HALF = 16  # handed to the kernels at run time (see kernels._decode)
 KERNEL_PARTS = 3
 # The rounded products (`ember.quant.q8`) take at least this many weight rows a piece: a piece costs a
 # claim and a cold start (measured when the kernel asked for rows ahead within its piece only; it now
-# looks past it), and a prompt's experts of ~8 rows got 4-row pieces. Qwen3-30B-A3B prefill 128 (2 threads, Zen 3 VM, runs alternated, medians of
-# 4): 12.95 tokens/s at 4, 13.14 at 16, 13.64 at 32.
+# looks past it), and a prompt's experts of ~8 rows got 4-row pieces. Qwen3-30B-A3B prefill 128
+# (2 threads, Zen 3 VM, runs alternated, medians of 4): 12.95 tokens/s at 4, 13.14 at 16, 13.64 at 32.
 ROUNDED_MIN_PIECE = 32
 
 _scratch = threading.local()
