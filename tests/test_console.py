@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from run_support import prepared_store
+from run_support import ctrl_c_as_in_a_terminal, prepared_store
 
 REPO = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
@@ -222,7 +222,8 @@ def test_the_exit_status_names_the_signal(workdir, tmp_path, sig, status):
         [sys.executable, "-m", "ember.run", "max_new_tokens=8", "threads=1", "stop_at_eog=false",
          f"mlflow.experiment_name={experiment}",
          f"experiments=[{{_target_:run_support.WaitToBeKilled,folder:'{tmp_path}'}}]"],
-        cwd=workdir, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        cwd=workdir, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=ctrl_c_as_in_a_terminal)  # a suite started in the background hands SIGINT ignored
     try:
         deadline = time.monotonic() + 600
         while not (tmp_path / "pid").exists():
