@@ -578,6 +578,22 @@ PREFETCH_ROWS = 4
 
 
 @njit(inline="always")
+def next_piece(counter, piece, rows):
+    """(first, stop): the rows first…stop−1 of a stack of `rows` that this thread takes next, `piece` at a
+    time through `counter` (shared by the threads' calls); first ≥ rows when none is left."""
+    first = simd.claim(counter) * piece
+    return first, min(first + piece, rows)
+
+
+@njit(inline="always")
+def part_rows(first, stop, offsets, part):
+    """(start, end): the rows of the stack's part `part` (the stack's rows offsets[part]…offsets[part+1]−1)
+    that lie in first…stop−1, numbered within the part (start ≥ end: none)."""
+    base = offsets[part]
+    return max(first, base) - base, min(stop, offsets[part + 1]) - base
+
+
+@njit(inline="always")
 def prefetch_ahead(data, r, stop, rows_ahead):
     """Hint the cache lines of row min(r + rows_ahead, stop − 1) of `data` in (no effect on values)."""
     row_bytes = data.shape[1] * data.itemsize
@@ -655,13 +671,12 @@ def matmul_rows(qtypes, parts, offsets, x, out, table, half, counter, piece):
     w1 = np.empty(columns, np.float32)
     sums = np.empty(8, np.float32)
     while True:
-        first = simd.claim(counter) * piece
+        first, stop = next_piece(counter, piece, rows)
         if first >= rows:
             return
-        stop = min(first + piece, rows)
         for part in range(len(qtypes)):
             base = offsets[part]
-            start, end = max(first, base) - base, min(stop, offsets[part + 1]) - base
+            start, end = part_rows(first, stop, offsets, part)
             qtype = qtypes[part]
             blocks = columns // block_values(qtype)
             data = parts[part]
@@ -730,13 +745,11 @@ def matvec(qtypes, parts, offsets, x, out, table, counter, piece):
     acc = np.empty(ACC_LANES, np.float32)
     scales = np.empty(16, np.float32)
     while True:
-        first = simd.claim(counter) * piece
+        first, stop = next_piece(counter, piece, rows)
         if first >= rows:
             return
-        stop = min(first + piece, rows)
         for part in range(len(qtypes)):  # this piece's rows of each part
-            base = offsets[part]
-            start, end = max(first, base), min(stop, offsets[part + 1])
+            start, end = part_rows(first, stop, offsets, part)
             if start < end:
-                _rows_dot(qtypes[part], parts[part], start - base, end - base, base, x, sums32, sums16,
+                _rows_dot(qtypes[part], parts[part], start, end, offsets[part], x, sums32, sums16,
                           scales, acc, out, table)

@@ -155,13 +155,12 @@ def matmul(qtypes, parts, offsets, q8, scales, sums16, sums32, out, counter, pie
     stride16, stride32 = sums16.shape[1], sums32.shape[1]
     acc = np.empty(16 * 8, np.float32)
     while True:
-        first = simd.claim(counter) * piece
+        first, stop = kernels.next_piece(counter, piece, rows)
         if first >= rows:
             return
-        stop = min(first + piece, rows)
         for part in range(len(qtypes)):
             base = offsets[part]
-            start, end = max(first, base) - base, min(stop, offsets[part + 1]) - base
+            start, end = kernels.part_rows(first, stop, offsets, part)
             data = parts[part]
             q4 = qtypes[part] == Q4_K
             block_bytes = 144 if q4 else 210
@@ -239,13 +238,12 @@ def matmul_q8_0(qtypes, parts, offsets, q8, scales, out, counter, piece):
     flat, xs = q8.reshape(-1), scales.reshape(-1)
     acc = np.empty(32 * 8, np.float32)  # row j of x, bank k: acc[32j + 8k : 32j + 8k + 8]
     while True:
-        first = simd.claim(counter) * piece
+        first, stop = kernels.next_piece(counter, piece, rows)
         if first >= rows:
             return
-        stop = min(first + piece, rows)
         for part in range(len(qtypes)):
             base = offsets[part]
-            start, end = max(first, base) - base, min(stop, offsets[part + 1]) - base
+            start, end = kernels.part_rows(first, stop, offsets, part)
             data = parts[part]
             eight = qtypes[part] == Q8_0
             block_bytes = 34 if eight else 22  # an f16 scale, then 32 bytes / 4 bytes of high bits + 16
