@@ -205,8 +205,11 @@ class QuantizedActivation:
             q8.matmul(*group, *self.operands(), out, counter, piece)
 
 
-def _rounding(groups: list[KernelGroup]) -> str:
-    return q8.rounding(int(groups[0][0][0]))
+def _rounded_rows(groups: list[KernelGroup], x: np.ndarray) -> tuple[QuantizedActivation, int]:
+    """x rounded as the groups' weights take it (`q8.rounding` of their block type), and the weight
+    rows a piece of their product (ROUNDED_MIN_PIECE, ROUNDED_PIECE_VALUES)."""
+    piece = max(ROUNDED_MIN_PIECE, ROUNDED_PIECE_VALUES // x.size // 4 * 4)
+    return QuantizedActivation(x, q8.rounding(int(groups[0][0][0]))), piece
 
 
 def _rounded_product(groups: list[KernelGroup], x: np.ndarray, out: np.ndarray) -> np.ndarray:
@@ -214,8 +217,7 @@ def _rounded_product(groups: list[KernelGroup], x: np.ndarray, out: np.ndarray) 
     rounding (`q8_supports`): decode and prompts alike, on the threads as `_small_batch`."""
     if x.shape[0] == 0:
         return out
-    rounded = QuantizedActivation(x, _rounding(groups))
-    piece = max(ROUNDED_MIN_PIECE, ROUNDED_PIECE_VALUES // x.size // 4 * 4)
+    rounded, piece = _rounded_rows(groups, x)
     return _into(out, lambda contiguous: _on_threads(
         groups, out.shape[1], piece, out.shape[1] * x.size, lambda group, counter: rounded.multiply(
             group, contiguous, counter, piece)))
@@ -261,8 +263,7 @@ def multiply_each(products: Sequence[tuple[object, np.ndarray, np.ndarray]]) -> 
             continue
         single = x.shape[0] == 1
         if rounded:
-            piece = max(ROUNDED_MIN_PIECE, ROUNDED_PIECE_VALUES // x.size // 4 * 4)
-            rows = QuantizedActivation(x, _rounding(groups))
+            rows, piece = _rounded_rows(groups, x)
         else:
             piece = (max(16, PIECE_VALUES // x.shape[1] // 16 * 16) if single
                      else max(4, PIECE_VALUES // x.size))

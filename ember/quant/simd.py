@@ -771,6 +771,12 @@ def _times(builder, ints, factor):
     return builder.fmul(builder.sitofp(ints, _FLOATS8), factors)
 
 
+def _row_scale(context, builder, xs_type, xs, xs_at, xs_stride, t: int):
+    """xs[xs_at + t·xs_stride]: the block scale of row t of the rounded activations."""
+    data = context.make_array(xs_type)(context, builder, xs).data
+    return builder.load(builder.gep(data, [builder.add(xs_at, builder.mul(xs_stride, _i64(t)))]))
+
+
 def _q4_k_q8(tokens: int):
     """The Q4_K super-block primitive for `tokens` (1-4 or 8) rounded activation rows at once: the
     block's scales, minimums and nibbles taken from its bytes once, then multiplied by each row's bytes,
@@ -804,8 +810,7 @@ def _q4_k_q8(tokens: int):
                     part = _byte_products(builder, nibbles[j], y, factor)
                     totals[t] = part if totals[t] is None else builder.add(totals[t], part)
             for t in range(tokens):
-                scale_x = builder.load(builder.gep(context.make_array(xs_t)(context, builder, xs_v).data,
-                                                   [builder.add(xs_at_v, builder.mul(xs_stride_v, _i64(t)))]))
+                scale_x = _row_scale(context, builder, xs_t, xs_v, xs_at_v, xs_stride_v, t)
                 sums = _vector_at(context, builder, sums_t, sums_v,
                                   builder.add(sums_at_v, builder.mul(sums_stride_v, _i64(t))), _INTS8)
                 _add_floats(context, builder, acc_t, acc_v, _i64(16 * t + 8), builder.fneg(
@@ -849,8 +854,6 @@ def _q6_k_q8(tokens: int):
 
             totals = []
             for t in range(tokens):
-                scale_x = builder.load(builder.gep(context.make_array(xs_t)(context, builder, xs_v).data,
-                                                   [builder.add(xs_at_v, builder.mul(xs_stride_v, _i64(t)))]))
                 sums = builder.load(_lanes(context, builder, sums_t, sums_v,
                                            builder.add(sums_at_v, builder.mul(sums_stride_v, _i64(t))), _I32),
                                     align=4)
@@ -874,8 +877,7 @@ def _q6_k_q8(tokens: int):
                                        builder.add(rows[t], _i64(128 * h + 32 * quarter)), _BYTES32)
                         totals[t] = builder.add(totals[t], _byte_products(builder, values, y, factor))
             for t in range(tokens):
-                scale_x = builder.load(builder.gep(context.make_array(xs_t)(context, builder, xs_v).data,
-                                                   [builder.add(xs_at_v, builder.mul(xs_stride_v, _i64(t)))]))
+                scale_x = _row_scale(context, builder, xs_t, xs_v, xs_at_v, xs_stride_v, t)
                 _add_floats(context, builder, acc_t, acc_v, _i64(16 * t),
                             _times(builder, totals[t], builder.fmul(d_v, scale_x)))
             return context.get_dummy_value()
@@ -954,12 +956,10 @@ def _q8_0_q8(five: bool, tokens: int):
                 w = _q5_0_values(context, builder, src_t, src_v, at_v)
             else:
                 w = _vector_at(context, builder, src_t, src_v, builder.add(at_v, _i64(2)), _BYTES32)
-            xs_data = context.make_array(xs_t)(context, builder, xs_v).data
             for t in range(tokens):
                 y_at = builder.add(q8_at_v, builder.mul(stride_v, _i64(t)))
                 y = _vector_at(context, builder, q8_t, q8_v, y_at, _BYTES32)
-                xs_at = builder.add(xs_at_v, builder.mul(xs_stride_v, _i64(t)))
-                scale_x = builder.load(builder.gep(xs_data, [xs_at]))
+                scale_x = _row_scale(context, builder, xs_t, xs_v, xs_at_v, xs_stride_v, t)
                 _add_floats(context, builder, acc_t, acc_v, _i64(32 * t),
                             _times(builder, _signed_products(builder, w, y), builder.fmul(d_v, scale_x)))
             return context.get_dummy_value()
