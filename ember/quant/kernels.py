@@ -577,12 +577,82 @@ def tile_product(tile, xt, tokens, partial, out, out_at, out_stride):
 PREFETCH_ROWS = 4
 
 
+# How the threads that share a product (`matrix._on_threads`) hand out its pieces and make sure each
+# lands in `out` once, without the calling thread ever waiting long for a helper that lost its core to
+# another process. The product's `state` (int64, from `share_state`): [0] the next piece to take (an
+# atomic counter, `simd.claim`), [1] how many rounds of `simd.pause` the caller watches a helper's
+# unfinished piece before taking it back, [2 + k] piece k's state, one of:
+OPEN, COPYING, DONE, TAKEN = 0, 1, 2, 3
+# A helper computes its pieces into a buffer of its own and copies each into `out` only after moving
+# its state from OPEN to COPYING (`publish`); the caller computes straight into `out`. Once no piece is
+# left to take, the caller goes through the pieces the helpers took: done, it moves on; open after its
+# watch, it moves the state to TAKEN and computes the piece itself (the helper, when it runs again,
+# finds the piece taken and drops its values); being copied, it waits for the copy (a few rows). So no
+# helper writes into `out` once its caller has returned, and the caller's wait is bounded by its watch
+# plus one piece of its own work: a share never waits out a time slice of another process.
+
+
+def share_state(pieces: int, patience: int) -> np.ndarray:
+    """A fresh `state` for a product of `pieces` pieces (see OPEN), the caller watching `patience` rounds."""
+    state = np.zeros(2 + pieces, np.int64)
+    state[1] = patience
+    return state
+
+
 @njit(inline="always")
-def next_piece(counter, piece, rows):
-    """(first, stop): the rows first…stop−1 of a stack of `rows` that this thread takes next, `piece` at a
-    time through `counter` (shared by the threads' calls); first ≥ rows when none is left."""
-    first = simd.claim(counter) * piece
-    return first, min(first + piece, rows)
+def publish(state, k, buffer, out, first, stop):
+    """A helper's piece k (rows first…stop−1 of out's columns, computed into buffer[:, :stop − first]),
+    copied into out unless the caller has taken the piece back."""
+    if simd.exchange_if(state, 2 + k, OPEN, COPYING) == OPEN:
+        for t in range(out.shape[0]):
+            for r in range(first, stop):
+                out[t, r] = buffer[t, r - first]
+        simd.store_state(state, 2 + k, DONE)
+
+
+@njit(inline="always")
+def _take_back(state, k):
+    """Whether the caller computes a helper's piece k itself: after watching it for state[1] rounds, it
+    takes it if it is still open; one being copied is waited for."""
+    for _ in range(state[1]):
+        if simd.load_state(state, 2 + k) != OPEN:
+            break
+        simd.pause()
+    if simd.exchange_if(state, 2 + k, OPEN, TAKEN) == OPEN:
+        return True
+    while simd.load_state(state, 2 + k) != DONE:
+        simd.pause()
+    return False
+
+
+@njit(inline="always")
+def next_piece(state, piece, rows, caller, checked):
+    """(k, first, stop, checked): the piece k, rows first…stop−1 of a stack of `rows`, this thread
+    computes next (first ≥ rows: none is left); pieces are taken through state[0] until none is left,
+    then the caller (`caller` true) takes back the helpers' unfinished ones from piece `checked` on
+    (see OPEN). The thread marks each piece it computed with `finish_piece`."""
+    pieces = (rows + piece - 1) // piece
+    k = simd.claim(state)
+    if k >= pieces:
+        k = pieces
+        while caller and checked < pieces:
+            candidate = checked
+            checked += 1
+            if simd.load_state(state, 2 + candidate) != DONE and _take_back(state, candidate):
+                k = candidate
+                break
+    first = k * piece
+    return k, first, min(first + piece, rows), checked
+
+
+@njit(inline="always")
+def finish_piece(state, k, caller, buffer, out, first, stop):
+    """Piece k computed: the caller's is in out already (marked done), a helper's is in buffer
+    (`publish`)."""
+    if caller:
+        state[2 + k] = DONE
+    else:
+        publish(state, k, buffer, out, first, stop)
 
 
 @njit(inline="always")
@@ -650,11 +720,11 @@ def _rows_times_rows(rows, w0, w1, x, out, r, sums):
 
 
 @njit(nogil=True, fastmath=FAST, cache=True)
-def matmul_rows(qtypes, parts, offsets, x, out, table, half, counter, piece):
+def matmul_rows(qtypes, parts, offsets, x, out, table, half, state, piece, caller):
     """out[t, r] = Σ_c W[r, c]·x[t, c] for a few activation rows t (x C-contiguous): two weight rows at
     a time are decoded once into small buffers (they stay in L1) and multiplied by every row of x, four
     rows of x at a time (`_rows_times_rows`). W as in `matvec`, the rows taken `piece` at a time as in
-    `matvec`.
+    `matvec` (`state`, `caller`).
 
     For a handful of rows this beats decoding a tile for BLAS (whose decoding runs in one thread per
     tile) and T separate matrix-vector products (each decoding W again); see `matrix.SMALL_BATCH`.
@@ -670,12 +740,15 @@ def matmul_rows(qtypes, parts, offsets, x, out, table, half, counter, piece):
     w0 = np.empty(columns, np.float32)
     w1 = np.empty(columns, np.float32)
     sums = np.empty(8, np.float32)
+    buffer = np.empty((x.shape[0], piece), np.float32)
+    checked = 0
     while True:
-        first, stop = next_piece(counter, piece, rows)
+        k, first, stop, checked = next_piece(state, piece, rows, caller, checked)
         if first >= rows:
             return
+        target, shift = (out, 0) if caller else (buffer, first)
         for part in range(len(qtypes)):
-            base = offsets[part]
+            base = offsets[part] - shift
             start, end = part_rows(first, stop, offsets, part)
             qtype = qtypes[part]
             blocks = columns // block_values(qtype)
@@ -685,11 +758,12 @@ def matmul_rows(qtypes, parts, offsets, x, out, table, half, counter, piece):
                 _decode(qtype, data[r], 0, blocks, w0, table, half)
                 if r + 1 < end:
                     _decode(qtype, data[r + 1], 0, blocks, w1, table, half)
-                    _rows_times_rows(2, w0, w1, x, out, base + r, sums)
+                    _rows_times_rows(2, w0, w1, x, target, base + r, sums)
                     r += 2
                 else:  # a part's odd last row
-                    _rows_times_rows(1, w0, w0, x, out, base + r, sums)
+                    _rows_times_rows(1, w0, w0, x, target, base + r, sums)
                     r += 1
+        finish_piece(state, k, caller, buffer, out, first, stop)
 
 
 # ------------------------------------------------------------------------------ row · vector
@@ -718,17 +792,17 @@ seal()  # every switch above is generated: a type declared from here on would ha
 
 
 @njit(nogil=True, fastmath=FAST, cache=True)
-def matvec(qtypes, parts, offsets, x, out, table, counter, piece):
-    """out[r] = Σ_c W[r, c]·x[c] for every row r of W: decode's matrix-vector product.
+def matvec(qtypes, parts, offsets, x, out, table, state, piece, caller):
+    """out[0, r] = Σ_c W[r, c]·x[c] for every row r of W: decode's matrix-vector product.
 
     W is one matrix or several stacked along the rows (fused Q/K/V, gate/up): `parts` is a tuple of
     their encoded bytes, part p of block type qtypes[p] giving rows offsets[p]…offsets[p+1]−1 of W, so
     one call covers them all.
 
-    The rows go in pieces of `piece` consecutive rows, each taken by `simd.claim(counter)` (counter a
-    one-value int64 array, zero at first): every thread that shares the product calls this kernel with
-    the same counter, in its own thread without the GIL (`matrix._on_threads`), and takes the next
-    piece as it finishes one, so a thread that lost its core holds back one piece, not a fixed share.
+    The rows go in pieces of `piece` consecutive rows, taken through `state` (`share_state`): every
+    thread that shares the product calls this kernel with the same state, in its own thread without
+    the GIL (`matrix._on_threads`; `caller` true in the thread that called the product), and takes the
+    next piece as it finishes one; the caller takes back a piece whose helper lost its core (see OPEN).
     Each row's sum is computed alike whoever takes it: the values do not depend on the threads.
     """
     rows = offsets[-1]
@@ -744,12 +818,16 @@ def matvec(qtypes, parts, offsets, x, out, table, counter, piece):
         sums32[k] = sums16[2 * k] + sums16[2 * k + 1]
     acc = np.empty(ACC_LANES, np.float32)
     scales = np.empty(16, np.float32)
+    buffer = np.empty((1, piece), np.float32)
+    checked = 0
     while True:
-        first, stop = next_piece(counter, piece, rows)
+        k, first, stop, checked = next_piece(state, piece, rows, caller, checked)
         if first >= rows:
             return
+        target, shift = (out, 0) if caller else (buffer, first)
         for part in range(len(qtypes)):  # this piece's rows of each part
             start, end = part_rows(first, stop, offsets, part)
             if start < end:
-                _rows_dot(qtypes[part], parts[part], start, end, offsets[part], x, sums32, sums16,
-                          scales, acc, out, table)
+                _rows_dot(qtypes[part], parts[part], start, end, offsets[part] - shift, x, sums32, sums16,
+                          scales, acc, target[0], table)
+        finish_piece(state, k, caller, buffer, out, first, stop)

@@ -39,7 +39,7 @@ import numpy as np
 from ember import parallel
 from ember.buffers import aligned_empty
 from ember.ops import linear
-from ember.quant import kernels, q8, simd
+from ember.quant import kernels, q8, simd, waiting
 
 # A prefill tile holds at most TILE_VALUES weights (8 MB as float32: each thread's scratch) and, where W
 # has the rows, at least MIN_TILE_ROWS rows (BLAS is slow on narrow products), and W is cut into at
@@ -109,6 +109,10 @@ ROUNDED_MIN_PIECE = 32
 # at 32 rows a piece, 440 at 256. A thread that loses its core mid-piece holds the others for as long as
 # it is off its core whatever the piece's size; prompts keep their 32 rows.
 ROUNDED_PIECE_VALUES = 1 << 19
+# When a product's pieces are all taken, its caller watches each piece a helper has not finished for
+# up to this many µs before computing it itself (`kernels.OPEN`): about a piece's work, so a helper on
+# its core finishes first, and one that lost its core costs no more than that and the piece.
+REDO_WATCH = 50.0
 
 _scratch = threading.local()
 
@@ -149,28 +153,32 @@ def kernel_groups(parts: Sequence[QuantizedMatrix]) -> list[KernelGroup]:
 
 
 def _on_threads(groups: list[KernelGroup], rows: int, piece: int, work: int,
-                call: Callable[[KernelGroup, np.ndarray], None]) -> None:
-    """call(group, counter) for each kernel group, in the calling thread alone or, for a product of
-    `work` multiply-adds from SHARED_FROM on, in each of up to `threads()` threads at once (each call
-    takes `piece` rows at a time through the group's counter until none is left: `kernels.matvec`).
-    No BLAS runs inside."""
-    counters = np.zeros((len(groups), 1), np.int64)
-    workers = parallel.workers(-(-rows // piece)) if work >= SHARED_FROM else 1
+                call: Callable[[KernelGroup, np.ndarray, bool], None]) -> None:
+    """call(group, state, caller) for each kernel group, in the calling thread alone or, for a product
+    of `work` multiply-adds from SHARED_FROM on, in each of up to `threads()` threads at once (`caller`
+    true in the calling thread): each call takes `piece` rows at a time through the group's `state`
+    until none is left, and the caller's call returns with all of them in the output
+    (`kernels.share_state`, `parallel.race`). No BLAS runs inside."""
+    pieces = -(-rows // piece)
+    workers = parallel.racers(pieces) if work >= SHARED_FROM else 1
+    states = [kernels.share_state(pieces, _patience(workers)) for _ in groups]
 
-    def run(_: int) -> None:
-        for group, counter in zip(groups, counters, strict=True):
-            call(group, counter)
+    def run(caller: bool) -> None:
+        for group, state in zip(groups, states, strict=True):
+            call(group, state, caller)
 
-    if workers <= 1:
-        run(0)
-    else:
-        parallel.share(run, workers, blas=False, on=workers)
+    parallel.race(run, workers)
+
+
+def _patience(workers: int) -> int:
+    """The rounds a caller watches a helper's unfinished piece before it takes it back (see REDO_WATCH)."""
+    return waiting.rounds(REDO_WATCH) if workers > 1 else 0
 
 
 def _matvec(groups: list[KernelGroup], x: np.ndarray, out: np.ndarray) -> np.ndarray:
     piece = max(16, PIECE_VALUES // x.shape[1] // 16 * 16)
-    _on_threads(groups, out.shape[1], piece, out.size * x.shape[1], lambda group, counter: kernels.matvec(
-        *group, x[0], out[0], kernels.F16_TABLE, counter, piece))
+    _on_threads(groups, out.shape[1], piece, out.size * x.shape[1], lambda group, state, caller:
+                kernels.matvec(*group, x[0], out, kernels.F16_TABLE, state, piece, caller))
     return out
 
 
@@ -196,13 +204,14 @@ class QuantizedActivation:
     def operands(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         return self.values, self.scales, self.sums16, self.sums32
 
-    def multiply(self, group: KernelGroup, out: np.ndarray, counter: np.ndarray, piece: int) -> None:
+    def multiply(self, group: KernelGroup, out: np.ndarray, state: np.ndarray, piece: int,
+                 caller: bool) -> None:
         """out[:, rows of group] = these rows times the group's weights (`q8.matmul`, `q8.matmul_q8_0`),
-        `piece` weight rows at a time through `counter`."""
+        `piece` weight rows at a time through `state` (`kernels.share_state`)."""
         if self.rounding == "q8_0":
-            q8.matmul_q8_0(*group, self.values, self.scales, out, counter, piece)
+            q8.matmul_q8_0(*group, self.values, self.scales, out, state, piece, caller)
         else:
-            q8.matmul(*group, *self.operands(), out, counter, piece)
+            q8.matmul(*group, *self.operands(), out, state, piece, caller)
 
 
 def _rounded_rows(groups: list[KernelGroup], x: np.ndarray) -> tuple[QuantizedActivation, int]:
@@ -219,8 +228,8 @@ def _rounded_product(groups: list[KernelGroup], x: np.ndarray, out: np.ndarray) 
         return out
     rounded, piece = _rounded_rows(groups, x)
     return _into(out, lambda contiguous: _on_threads(
-        groups, out.shape[1], piece, out.shape[1] * x.size, lambda group, counter: rounded.multiply(
-            group, contiguous, counter, piece)))
+        groups, out.shape[1], piece, out.shape[1] * x.size, lambda group, state, caller: rounded.multiply(
+            group, contiguous, state, piece, caller)))
 
 
 def _into(out: np.ndarray, fill: Callable[[np.ndarray], None]) -> np.ndarray:
@@ -240,8 +249,8 @@ def _small_batch(groups: list[KernelGroup], x: np.ndarray, out: np.ndarray) -> n
     rows = np.ascontiguousarray(x)
     piece = max(4, PIECE_VALUES // x.size)
     return _into(out, lambda contiguous: _on_threads(
-        groups, out.shape[1], piece, out.shape[1] * x.size, lambda group, counter: kernels.matmul_rows(
-            *group, rows, contiguous, kernels.F16_TABLE, HALF, counter, piece)))
+        groups, out.shape[1], piece, out.shape[1] * x.size, lambda group, state, caller: kernels.matmul_rows(
+            *group, rows, contiguous, kernels.F16_TABLE, HALF, state, piece, caller)))
 
 
 def multiply_each(products: Sequence[tuple[object, np.ndarray, np.ndarray]]) -> None:
@@ -273,28 +282,26 @@ def multiply_each(products: Sequence[tuple[object, np.ndarray, np.ndarray]]) -> 
         work += out.shape[1] * x.size
     if not calls:
         return
-    counters = np.zeros((len(calls), 1), np.int64)
+    workers = parallel.racers(pieces) if work >= SHARED_FROM else 1
+    states = [kernels.share_state(-(-out.shape[1] // piece), _patience(workers))
+              for _, _, out, piece, _ in calls]
 
-    # Every other thread goes through the products from the last: the threads then work on different
-    # experts until they meet, each streaming whole matrices. Measured on Qwen3-30B-A3B's experts (a
-    # token's 96 shares, 2 threads, Zen 3 VM, medians of 8, runs alternated): 91 ms in the same order,
-    # 73 ms in opposite orders (two threads each taking half the layers alone: 65).
-    orders = (list(zip(calls, counters, strict=True)), list(zip(calls, counters, strict=True))[::-1])
+    # Helpers go through the products from the last: the threads then work on different experts until
+    # they meet, each streaming whole matrices. Measured on Qwen3-30B-A3B's experts (a token's 96
+    # shares, 2 threads, Zen 3 VM, medians of 8, runs alternated): 91 ms in the same order, 73 ms in
+    # opposite orders (two threads each taking half the layers alone: 65).
+    in_order = list(zip(calls, states, strict=True))
 
-    def run(index: int) -> None:
-        for (group, x, out, piece, single), counter in orders[index % 2]:
+    def run(caller: bool) -> None:
+        for (group, x, out, piece, single), state in (in_order if caller else in_order[::-1]):
             if isinstance(x, QuantizedActivation):
-                x.multiply(group, out, counter, piece)
+                x.multiply(group, out, state, piece, caller)
             elif single:
-                kernels.matvec(*group, x[0], out[0], kernels.F16_TABLE, counter, piece)
+                kernels.matvec(*group, x[0], out, kernels.F16_TABLE, state, piece, caller)
             else:
-                kernels.matmul_rows(*group, x, out, kernels.F16_TABLE, HALF, counter, piece)
+                kernels.matmul_rows(*group, x, out, kernels.F16_TABLE, HALF, state, piece, caller)
 
-    workers = parallel.workers(pieces) if work >= SHARED_FROM else 1
-    if workers <= 1:
-        run(0)
-    else:
-        parallel.share(run, workers, blas=False, on=workers)
+    parallel.race(run, workers)
 
 
 def _scratch_buffer(name: str, values: int) -> np.ndarray:

@@ -140,10 +140,10 @@ def _block(q4, tokens, acc, w, at, y, y_at, stride, sums, s_at, s_stride, xs, b,
 
 
 @njit(nogil=True, fastmath=True, cache=True)
-def matmul(qtypes, parts, offsets, q8, scales, sums16, sums32, out, counter, piece):
+def matmul(qtypes, parts, offsets, q8, scales, sums16, sums32, out, state, piece, caller):
     """out[t, r] = Σ_c W[r, c]·x[t, c] for every row t of x, given rounded (`quantize_q8_k`, one row of
     q8/scales/sums16/sums32 per row of x, each C-contiguous), every part of W Q4_K or Q6_K. W stacked
-    and shared among threads as `kernels.matvec` takes it (pieces of `piece` rows through `counter`).
+    and shared among threads as `kernels.matvec` takes it (pieces of `piece` rows through `state`).
     A weight row's super-block is unpacked once for 8 rows of x (the last few: up to 4). Each output is
     summed in the same order whatever the number of rows of x: a row's values do not depend on its
     batch."""
@@ -154,12 +154,15 @@ def matmul(qtypes, parts, offsets, q8, scales, sums16, sums32, out, counter, pie
     flat16, flat32 = sums16.reshape(-1), sums32.reshape(-1)
     stride16, stride32 = sums16.shape[1], sums32.shape[1]
     acc = np.empty(16 * 8, np.float32)
+    buffer = np.empty((tokens, piece), np.float32)
+    checked = 0
     while True:
-        first, stop = kernels.next_piece(counter, piece, rows)
+        k, first, stop, checked = kernels.next_piece(state, piece, rows, caller, checked)
         if first >= rows:
             return
+        target, shift = (out, 0) if caller else (buffer, first)
         for part in range(len(qtypes)):
-            base = offsets[part]
+            base = offsets[part] - shift
             start, end = kernels.part_rows(first, stop, offsets, part)
             data = parts[part]
             q4 = qtypes[part] == Q4_K
@@ -178,7 +181,7 @@ def matmul(qtypes, parts, offsets, q8, scales, sums16, sums32, out, counter, pie
                         for b in range(blocks):
                             simd.q6_k_q8_block_1(acc, row, 210 * b, flat, BLOCK * b, columns, flat16, 16 * b,
                                                  stride16, xs, b, blocks)
-                    out[0, base + r] = simd.sum_lanes16(acc, 0)
+                    target[0, base + r] = simd.sum_lanes16(acc, 0)
                 continue
             for r in range(start, end):
                 kernels.prefetch_ahead(data, r, len(data), PREFETCH_ROWS)
@@ -193,8 +196,9 @@ def matmul(qtypes, parts, offsets, q8, scales, sums16, sums32, out, counter, pie
                         _block(q4, count, acc, row, at, flat, y_at, columns, sums, sums_at, sums_stride, xs,
                                xs_at, blocks)
                     for j in range(count):
-                        out[t0 + j, base + r] = simd.sum_lanes16(acc, 16 * j)
+                        target[t0 + j, base + r] = simd.sum_lanes16(acc, 16 * j)
                     t0 += count
+        kernels.finish_piece(state, k, caller, buffer, out, first, stop)
 
 
 @njit(inline="always")
@@ -224,7 +228,7 @@ def _block_0(eight, tokens, acc, w, at, y, y_at, stride, xs, xs_at, blocks):
 
 
 @njit(nogil=True, fastmath=True, cache=True)
-def matmul_q8_0(qtypes, parts, offsets, q8, scales, out, counter, piece):
+def matmul_q8_0(qtypes, parts, offsets, q8, scales, out, state, piece, caller):
     """out[t, r] = Σ_c W[r, c]·x[t, c] for every row t of x, given rounded (`quantize_q8_0`: q8 and its
     block scales, C-contiguous), every part of W Q8_0 or Q5_0: per block of 32, the integer sum of w·y
     times the two scales (`simd.q8_0_q8_block_<n>`, `simd.q5_0_q8_block_<n>`), as
@@ -237,12 +241,15 @@ def matmul_q8_0(qtypes, parts, offsets, q8, scales, out, counter, piece):
     blocks = columns // BLOCK_0
     flat, xs = q8.reshape(-1), scales.reshape(-1)
     acc = np.empty(32 * 8, np.float32)  # row j of x, bank k: acc[32j + 8k : 32j + 8k + 8]
+    buffer = np.empty((tokens, piece), np.float32)
+    checked = 0
     while True:
-        first, stop = kernels.next_piece(counter, piece, rows)
+        k, first, stop, checked = kernels.next_piece(state, piece, rows, caller, checked)
         if first >= rows:
             return
+        target, shift = (out, 0) if caller else (buffer, first)
         for part in range(len(qtypes)):
-            base = offsets[part]
+            base = offsets[part] - shift
             start, end = kernels.part_rows(first, stop, offsets, part)
             data = parts[part]
             eight = qtypes[part] == Q8_0
@@ -267,6 +274,7 @@ def matmul_q8_0(qtypes, parts, offsets, q8, scales, out, counter, piece):
                             _block_0(eight, count, acc[(b & 3) * 8:], row, at, flat, y_at, columns, xs, xs_at,
                                      blocks)
                     for j in range(count):
-                        out[t0 + j, base + r] = (simd.sum_lanes16(acc, 32 * j)
-                                                 + simd.sum_lanes16(acc, 32 * j + 16))
+                        target[t0 + j, base + r] = (simd.sum_lanes16(acc, 32 * j)
+                                                    + simd.sum_lanes16(acc, 32 * j + 16))
                     t0 += count
+        kernels.finish_piece(state, k, caller, buffer, out, first, stop)

@@ -1029,3 +1029,48 @@ def pause(typingctx):
         return context.get_dummy_value()
 
     return signature, codegen
+
+
+def _element_pointer(context, builder, sig, args):
+    """A pointer to args[0][args[1]] (a one-dimensional int64 array, an integer index)."""
+    data = context.make_array(sig.args[0])(context, builder, args[0]).data
+    return builder.gep(data, [context.cast(builder, args[1], sig.args[1], types.int64)])
+
+
+@intrinsic
+def exchange_if(typingctx, states, index, expected, new):
+    """states[index] = new if it holds `expected`, atomically; return the value it held before (equal to
+    `expected`: this thread set it). Acquire and release: what the thread wrote before is seen by one that
+    reads the new value (`kernels.publish`)."""
+    signature = types.int64(states, index, types.int64, types.int64)
+
+    def codegen(context, builder, sig, args):
+        pointer = _element_pointer(context, builder, sig, args)
+        pair = builder.cmpxchg(pointer, args[2], args[3], "acq_rel", "acquire")
+        return builder.extract_value(pair, 0)
+
+    return signature, codegen
+
+
+@intrinsic
+def load_state(typingctx, states, index):
+    """states[index], read with acquire ordering: once it shows a value another thread stored with
+    `store_state`, what that thread wrote before the store is seen too."""
+    signature = types.int64(states, index)
+
+    def codegen(context, builder, sig, args):
+        return builder.load_atomic(_element_pointer(context, builder, sig, args), "acquire", 8)
+
+    return signature, codegen
+
+
+@intrinsic
+def store_state(typingctx, states, index, value):
+    """states[index] = value with release ordering (see `load_state`)."""
+    signature = types.void(states, index, types.int64)
+
+    def codegen(context, builder, sig, args):
+        builder.store_atomic(args[2], _element_pointer(context, builder, sig, args), "release", 8)
+        return context.get_dummy_value()
+
+    return signature, codegen

@@ -32,7 +32,12 @@ _rounds_per_microsecond = 0.0
 
 def wait_for_change(counter: np.ndarray, seen: int, microseconds: float) -> bool:
     """Whether counter[0] (int64) moved from `seen` within about `microseconds`, watched without the GIL."""
-    return bool(_watch(counter, seen, max(1, int(microseconds * _rounds_per_microsecond))))
+    return bool(_watch(counter, seen, rounds(microseconds)))
+
+
+def rounds(microseconds: float) -> int:
+    """How many rounds of `_watch` (one read and one `simd.pause`) take about `microseconds` here."""
+    return max(1, int(microseconds * _rounds_per_microsecond))
 
 
 def warm_up() -> None:
