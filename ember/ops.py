@@ -57,11 +57,20 @@ def linear(x: np.ndarray, weight: Any, out: np.ndarray) -> np.ndarray:
     pieces = min(-(-features // 16), parallel.threads() * 4)
     bounds = [features * i // pieces for i in range(pieces + 1)]
 
-    def piece(index: int) -> None:
+    def straight(index: int) -> None:
         start, stop = bounds[index], bounds[index + 1]
         _blas_product(x, weight[start:stop], out[:, start:stop])
 
-    parallel.share(piece, pieces)
+    def aside(index: int) -> np.ndarray:
+        start, stop = bounds[index], bounds[index + 1]
+        product = np.empty((x.shape[0], stop - start), np.float32)
+        _blas_product(x, weight[start:stop], product)
+        return product
+
+    def store(index: int, product: object) -> None:
+        out[:, bounds[index]:bounds[index + 1]] = product
+
+    parallel.race_pieces(pieces, aside, store, direct=straight)
     return out
 
 
@@ -420,10 +429,13 @@ def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, *, start_posi
     out_heads = out.reshape(token_count, kv_count, group, value_dim)
     chunks = range(0, token_count, PREFILL_QUERY_CHUNK)
 
-    def piece(index: int) -> None:
+    def chunk_of(index: int) -> tuple[int, slice]:
         kv, chunk_start = divmod(index, len(chunks))
         chunk_start *= PREFILL_QUERY_CHUNK
-        chunk = slice(chunk_start, min(chunk_start + PREFILL_QUERY_CHUNK, token_count))
+        return kv, slice(chunk_start, min(chunk_start + PREFILL_QUERY_CHUNK, token_count))
+
+    def piece(index: int) -> np.ndarray:  # writes nothing shared: a helper's result may be dropped
+        kv, chunk = chunk_of(index)
         query_positions = start_position + np.arange(chunk.start, chunk.stop)
         if key_positions is None:
             # keys are cached in position order: those after the chunk's last query are all masked
@@ -447,10 +459,14 @@ def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, *, start_posi
             softmax_with_sinks_inplace(scores, sinks[kv * group:(kv + 1) * group].reshape(group, 1, 1))
         else:
             softmax_inplace(scores, np.empty(scores.shape[:-1] + (1,), dtype=np.float32))
-        out_heads[chunk, kv] = np.matmul(scores, chunk_values).transpose(1, 0, 2)  # [t, g, hd_v]
+        return np.matmul(scores, chunk_values).transpose(1, 0, 2)  # [t, g, hd_v]
+
+    def store(index: int, result: object) -> None:
+        kv, chunk = chunk_of(index)
+        out_heads[chunk, kv] = result
 
     small = token_count * key_count * head_count * head_dim < ATTENTION_SHARED_FROM
-    parallel.share(piece, kv_count * len(chunks), on=1 if small else None)
+    parallel.race_pieces(kv_count * len(chunks), piece, store, on=1 if small else None)
     return out
 
 

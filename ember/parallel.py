@@ -6,11 +6,14 @@ ranges of rows of element-wise work (`share_ranges`), and in decode and short pr
 themselves, which the numba kernels take a few at a time through an atomic counter
 (`ember.quant.kernels.matvec`). `share` runs them on `threads()` threads, the calling thread and kept
 helpers. No thread has a fixed share: each takes the next piece nobody has taken as it frees up, and
-the caller does not wait for a helper that has not started by the time the pieces are all done, so a
-thread whose core another process took holds the others back by at most the piece it is in (README
-"How many threads"). numba's own threads (prange) are not used: under OpenMP they split a loop in
-fixed shares and spin at the barrier, and with the other core busy 2 threads decoded at 7-9 tokens/s
-where 1 decoded at 41-68.
+the caller does not wait for a helper that has not started by the time the pieces are all done. Work
+whose pieces can be computed aside (`race`, `race_pieces`: every product, attention) does not wait
+for a helper that took a piece and lost its core either: the caller takes that piece back, computes it
+itself, and the helper's late values are dropped. Element-wise work done in place (`share_ranges`)
+cannot be redone, so its caller waits, and a back-off runs it alone where sharing keeps losing. Helpers
+keep off the caller's core (README "How many threads"). numba's own threads (prange) are not used:
+under OpenMP they split a loop in fixed shares and spin at the barrier, and with the other core busy 2
+threads decoded at 7-9 tokens/s where 1 decoded at 41-68.
 
 The helpers wait on a C-level queue (no futures): a `share` of nothing costs ~5 µs on 2 idle threads,
 20 with the BLAS limit set around it (which `blas=False` skips where no BLAS runs), against 35 on a
@@ -251,7 +254,10 @@ class _Placement:
         self.avoiding = cpu
         others = self.allowed - {cpu}
         if others:
-            os.sched_setaffinity(0, others)
+            try:
+                os.sched_setaffinity(0, others)
+            except OSError:  # the process's cores changed under it (a cpuset, taskset): stop placing
+                self.allowed = set()
 
 
 def _helper(jobs: queue.SimpleQueue) -> None:
@@ -341,9 +347,10 @@ def racers(count: int) -> int:
     return min(_threads, count)
 
 
-def race(work: Callable[[bool], None], on: int) -> None:
+def race(work: Callable[[bool], None], on: int) -> _Job | None:
     """work(True) in the calling thread while `on` − 1 helpers each run work(False); return as soon as
-    the caller's call returns, without waiting for any helper.
+    the caller's call returns, without waiting for any helper: the helpers' job (its `done` set once
+    every helper's call has returned), or None if no helper was asked.
 
     For work that completes every piece in the caller's call whatever the helpers do: a helper computes
     its pieces aside and writes each where others read only once it has made sure the caller has not
@@ -355,10 +362,88 @@ def race(work: Callable[[bool], None], on: int) -> None:
     works alone."""
     if on <= 1 or _jobs.qsize() >= on - 1:
         work(True)
-        return
+        return None
     job = _Job(lambda _: work(False), on - 1)
     _wake_helpers(job, on - 1)
     work(True)
+    return job
+
+
+# A piece's state in `race_pieces` (as `ember.quant.kernels` marks a product's pieces).
+OPEN, COPYING, DONE, TAKEN = 0, 1, 2, 3
+# When its pieces are all taken, a caller of `race_pieces` watches a helper's unfinished piece for up to
+# this many µs before computing it itself: a prefill tile or a query chunk's attention takes 0.1-1 ms.
+PIECE_WATCH = 1000.0
+
+
+def race_pieces(count: int, compute: Callable[[int], object], store: Callable[[int, object], None],
+                direct: Callable[[int], None] | None = None, blas: bool = True, *,
+                on: int | None = None) -> None:
+    """store(i, compute(i)) for i in range(count), each stored once, the pieces taken one by one by the
+    calling thread and up to `threads()` − 1 helpers (`on`: at most this many threads) as in `race`.
+
+    `compute` must write nothing another piece or a later step reads (its result lives in a fresh array
+    or its thread's own scratch): a helper's result is stored only once the piece is the helper's, and
+    dropped when the caller took the piece back. `direct(i)`, if given, does the caller's own pieces in
+    one step (straight into the output). Returns when every piece is stored, having watched a helper's
+    unfinished piece at most PIECE_WATCH µs before computing it itself; raises the caller's first error
+    (a helper's errors are dropped: the caller takes those pieces back and meets them there)."""
+    states = np.zeros(count, np.int64)
+    pieces = iter(range(count))
+    lock = threading.Lock()
+    own = direct if direct is not None else (lambda index: store(index, compute(index)))
+
+    def helper_piece(index: int) -> None:
+        result = compute(index)
+        with lock:
+            mine = states[index] == OPEN
+            if mine:
+                states[index] = COPYING
+        if mine:
+            store(index, result)
+            states[index] = DONE
+
+    def caller_takes_back(index: int) -> bool:
+        if _waiting is not None and states[index] == OPEN:
+            _waiting(states[index:index + 1], OPEN, PIECE_WATCH)
+        with lock:
+            if states[index] == OPEN:
+                states[index] = TAKEN
+                return True
+        while states[index] != DONE:  # being copied
+            if _waiting is None or not _waiting(states[index:index + 1], COPYING, PIECE_WATCH):
+                time.sleep(0)
+        return False
+
+    def close() -> None:  # the caller is leaving on an error: no helper may store after it
+        with lock:
+            states[states == OPEN] = TAKEN
+        for index in np.flatnonzero(states == COPYING):
+            while states[index] == COPYING:
+                time.sleep(0)
+
+    def work(caller: bool) -> None:
+        was_inside = getattr(_inside, "active", False)
+        _inside.active = True
+        try:
+            for index in pieces:
+                if caller:
+                    own(index)
+                    states[index] = DONE
+                else:
+                    helper_piece(index)
+            for index in range(count) if caller else ():
+                if states[index] != DONE and caller_takes_back(index):
+                    own(index)
+        except BaseException:
+            if caller:
+                close()
+            raise
+        finally:
+            _inside.active = was_inside
+
+    with single_threaded_blas() if blas else nullcontext():
+        race(work, racers(count) if on is None else min(on, racers(count)))
 
 
 # Element-wise work over at least this many values is split among the threads (`share_ranges`): NumPy's

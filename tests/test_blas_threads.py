@@ -48,13 +48,13 @@ def test_a_float32_product_shared_among_ember_s_threads_equals_one_blas_call(mon
     assert x.shape[0] * weight.size >= ops.SHARED_PRODUCT
     shared = np.full((128, 130), np.nan, np.float32)
     calls = []
-    original = parallel.share
+    original = parallel.race_pieces
 
-    def counted(work, count, *args, **kwargs):
+    def counted(count, *args, **kwargs):
         calls.append(count)
-        return original(work, count, *args, **kwargs)
+        return original(count, *args, **kwargs)
 
-    monkeypatch.setattr(parallel, "share", counted)
+    monkeypatch.setattr(parallel, "race_pieces", counted)
     with compute_threads(2):
         ops.linear(x, weight, shared)
     assert calls and calls[0] > 1  # the product was split into pieces

@@ -51,6 +51,15 @@ def _kernels() -> dict[str, tuple]:
 KERNELS = _kernels()
 
 
+def _helper_started() -> None:
+    """A helper thread exists and has taken every job handed out so far (a race hands none out while
+    one waits: `parallel.race`)."""
+    parallel.share(lambda index: None, 2)
+    deadline = time.monotonic() + 60
+    while parallel._jobs.qsize() and time.monotonic() < deadline:
+        time.sleep(0.001)
+
+
 def _alone(call, tokens: int) -> np.ndarray:
     out = np.full((tokens, ROWS), np.nan, np.float32)
     call(kernels.share_state(ROWS // PIECE, 0), out, True)
@@ -122,18 +131,23 @@ def test_a_helper_error_reaches_the_caller_through_the_piece_it_takes_back():
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
                     reason="needs two cores this process may run on")
 def test_helpers_keep_off_the_core_their_caller_runs_on():
+    """Each helper that ran a piece of a share was, while it ran, on no core its caller was on when it
+    handed the share out."""
+    seen = []
+
+    def piece(index: int) -> None:
+        thread = threading.current_thread()
+        if thread.name.startswith("ember-"):
+            seen.append((parallel._caller_cpu, os.sched_getaffinity(0)))
+        time.sleep(0.001)
+
     with compute_threads(2):
-        parallel.share(lambda index: None, 2)  # the helper exists
-        helpers = [thread for thread in threading.enumerate() if thread.name.startswith("ember-")]
         deadline = time.monotonic() + 60
-        while True:
-            parallel.share(lambda index: time.sleep(0.001), 4)
-            caller = parallel._caller_cpu
-            placed = [os.sched_getaffinity(helper.native_id) for helper in helpers]
-            if all(caller not in cpus for cpus in placed) or time.monotonic() > deadline:
-                break
-    assert caller >= 0
-    assert all(caller not in cpus and cpus for cpus in placed)
+        while not seen and time.monotonic() < deadline:  # until a helper takes a piece
+            parallel.share(piece, 8)
+    assert seen
+    for caller, cores in seen:
+        assert caller >= 0 and cores and caller not in cores
 
 
 def test_a_helper_whose_watch_was_spent_off_its_core_blocks_at_once_for_a_while(monkeypatch):
@@ -161,3 +175,85 @@ def test_patience_is_a_watch_of_about_redo_watch_microseconds():
     waiting.warm_up()
     assert matrix._patience(1) == 0
     assert matrix._patience(2) == waiting.rounds(matrix.REDO_WATCH) >= 1
+
+
+@pytest.mark.parametrize("transposed_below", [0, 512], ids=["blas", "tile_product"])
+def test_prefill_tiles_computed_aside_by_helpers_equal_the_callers_own(monkeypatch, transposed_below):
+    """Every tile as a helper computes it (into its scratch, then stored) against every tile straight
+    into the output, on BLAS's path and on `kernels.tile_product`'s: bit for bit."""
+    monkeypatch.setattr(matrix, "TRANSPOSED_BELOW", transposed_below)
+    monkeypatch.setattr(matrix, "MIN_TILE_ROWS", 16)
+    monkeypatch.setattr(matrix, "TILE_VALUES", 16 * 256)  # several tiles, the last one short
+    parts = [QuantizedMatrix(f"p{i}", random_encoded(qtype, 23, 256), int(qtype), (23, 256))
+             for i, qtype in enumerate((Q.Q4_K, Q.Q8_0))]
+    stacked = matrix.StackedMatrix(parts)
+    x = RNG.standard_normal((40, 256)).astype(np.float32)
+    straight = stacked.matmul(x, np.full((40, 46), np.nan, np.float32)).copy()
+
+    def all_by_helpers(count, compute, store, direct=None, blas=True):
+        for index in range(count):
+            store(index, compute(index))
+
+    monkeypatch.setattr(parallel, "race_pieces", all_by_helpers)
+    aside = stacked.matmul(x, np.full((40, 46), np.nan, np.float32))
+    np.testing.assert_array_equal(aside, straight)
+
+
+def test_race_pieces_stores_each_piece_once_and_drops_what_a_late_helper_computed():
+    """The helper is held inside the first piece it takes (the caller waits in its own first piece until
+    then): the caller takes that piece back after its watch, stores every piece and returns; the
+    helper, released, finds its piece taken and stores nothing."""
+    release, holding, helper_done = threading.Event(), threading.Event(), threading.Event()
+    held_by, stored = [], []
+
+    def by_helper() -> bool:
+        return threading.current_thread().name.startswith("ember-")
+
+    def compute(index: int) -> int:
+        if by_helper() and not held_by:
+            held_by.append(index)
+            holding.set()
+            release.wait(120)
+            helper_done.set()
+        elif not by_helper():
+            assert holding.wait(60)
+        return index * 10
+
+    def store(index: int, value: object) -> None:
+        stored.append((index, value, by_helper()))
+
+    with compute_threads(2):
+        _helper_started()
+        parallel.race_pieces(50, compute, store)
+        assert held_by and not release.is_set()  # returned while the helper still held its piece
+        release.set()
+        assert helper_done.wait(60)
+        later = threading.Event()  # the helper takes jobs in order: once in this one, it left the first
+
+        def next_job(index: int) -> None:
+            if by_helper():
+                later.set()
+            else:
+                assert later.wait(60)
+
+        parallel.race_pieces(4, next_job, lambda index, value: None)
+    assert sorted(index for index, _, _ in stored) == list(range(50))  # each once, the held one too
+    assert all(value == index * 10 for index, value, _ in stored)
+    assert [helper for index, _, helper in stored if index == held_by[0]] == [False]
+
+
+def test_piece_states_are_reused_only_once_every_helper_on_them_has_returned():
+    pool = matrix._StatePool()
+    first = pool.take(5, 7)
+    first[2:] = kernels.DONE
+    job = parallel._Job(lambda index: None, 1)  # a helper's call not yet returned
+    pool.lend([first], job)
+    second = pool.take(5, 7)
+    assert second is not first  # the helper may still claim pieces of `first`
+    pool.lend([second], None)  # no helper was asked
+    job.drain()  # the helper's call returns
+    again = [pool.take(5, 9), pool.take(5, 9)]
+    assert {id(state) for state in again} == {id(first), id(second)}
+    for state in again:
+        assert state[1] == 9 and not state[0] and not state[2:].any()
+    assert len(pool.take(4, 0)) == 6  # another size: a fresh one

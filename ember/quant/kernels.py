@@ -20,7 +20,8 @@ The drivers dispatch on the type once per row segment, through `_decode`, `_rows
 
 None of them starts threads: each runs in its caller's thread without the GIL, and the threads that
 share a product (`matrix._on_threads`, on `ember.parallel`'s threads) each call it, the rows taken in
-small pieces through an atomic counter (`simd.claim`) rather than as fixed shares (numba's prange).
+small pieces through an atomic counter (`simd.claim`) rather than as fixed shares (numba's prange); a
+helper publishes each piece it computed unless the caller has taken it back (`share_state`, OPEN).
 
 The decoders serve prefill (tiles for BLAS) and embedding lookups; decode's products do not decode
 rows into memory first: with the primitives they ran 2.5–4× faster than decoding a row and dotting it.
@@ -643,6 +644,16 @@ def next_piece(state, piece, rows, caller, checked):
                 break
     first = k * piece
     return k, first, min(first + piece, rows), checked
+
+
+@njit(nogil=True, cache=True)
+def close_share(state):
+    """Every piece still open marked taken, and every piece being copied waited for: what a caller leaving
+    on an error (Ctrl-C between two kernel calls) does, so that no helper writes into `out` after it."""
+    for k in range(len(state) - 2):
+        if simd.exchange_if(state, 2 + k, OPEN, TAKEN) == COPYING:
+            while simd.load_state(state, 2 + k) != DONE:
+                simd.pause()
 
 
 @njit(inline="always")

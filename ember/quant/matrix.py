@@ -29,6 +29,7 @@ takes none of these: every product, whatever T, rounds the rows of x to 8 bits a
 
 from __future__ import annotations
 
+import collections
 import functools
 import itertools
 import threading
@@ -161,13 +162,66 @@ def _on_threads(groups: list[KernelGroup], rows: int, piece: int, work: int,
     (`kernels.share_state`, `parallel.race`). No BLAS runs inside."""
     pieces = -(-rows // piece)
     workers = parallel.racers(pieces) if work >= SHARED_FROM else 1
-    states = [kernels.share_state(pieces, _patience(workers)) for _ in groups]
+    states = [_states.take(pieces, _patience(workers)) for _ in groups]
 
     def run(caller: bool) -> None:
         for group, state in zip(groups, states, strict=True):
             call(group, state, caller)
 
-    parallel.race(run, workers)
+    _race(run, states, workers)
+
+
+def _race(run: Callable[[bool], None], states: list[np.ndarray], workers: int) -> None:
+    """`parallel.race(run, workers)` over products marked in `states`; a caller leaving on an error
+    closes them first (`kernels.close_share`), so no helper writes into an output after it."""
+    def guarded(caller: bool) -> None:
+        try:
+            run(caller)
+        except BaseException:
+            if caller:
+                for state in states:
+                    kernels.close_share(state)
+            raise
+
+    _states.lend(states, parallel.race(guarded, workers))
+
+
+class _StatePool:
+    """Products' piece states (`kernels.share_state`), each reused once no helper can still touch it: a
+    product's states go back when every helper's call on it has returned (its job is done) or when no
+    helper was asked. Decode asks for a few a layer; a fresh one each time was a per-token allocation
+    (SmolLM2's LM head: 441 values, 3.5 KB; a 128K-token vocabulary's at 2048 columns: 32 KB). One pool
+    a calling thread."""
+
+    def __init__(self) -> None:
+        self.local = threading.local()
+
+    def _pool(self) -> tuple[dict[int, list[np.ndarray]], collections.deque]:
+        pool = getattr(self.local, "pool", None)
+        if pool is None:
+            pool = self.local.pool = ({}, collections.deque())
+        return pool
+
+    def take(self, pieces: int, patience: int) -> np.ndarray:
+        """A state for `pieces` pieces, all open, the caller watching `patience` rounds."""
+        free, lent = self._pool()
+        while lent and (lent[0][0] is None or lent[0][0].done[0]):
+            for state in lent.popleft()[1]:
+                free.setdefault(len(state), []).append(state)
+        spare = free.get(2 + pieces)
+        if not spare:
+            return kernels.share_state(pieces, patience)
+        state = spare.pop()
+        state.fill(0)
+        state[1] = patience
+        return state
+
+    def lend(self, states: list[np.ndarray], job: object) -> None:
+        """`states` in use by `job`'s helpers (None: by none) until it is done."""
+        self._pool()[1].append((job, states))
+
+
+_states = _StatePool()
 
 
 def _patience(workers: int) -> int:
@@ -283,7 +337,7 @@ def multiply_each(products: Sequence[tuple[object, np.ndarray, np.ndarray]]) -> 
     if not calls:
         return
     workers = parallel.racers(pieces) if work >= SHARED_FROM else 1
-    states = [kernels.share_state(-(-out.shape[1] // piece), _patience(workers))
+    states = [_states.take(-(-out.shape[1] // piece), _patience(workers))
               for _, _, out, piece, _ in calls]
 
     # Helpers go through the products from the last: the threads then work on different experts until
@@ -301,7 +355,7 @@ def multiply_each(products: Sequence[tuple[object, np.ndarray, np.ndarray]]) -> 
             else:
                 kernels.matmul_rows(*group, x, out, kernels.F16_TABLE, HALF, state, piece, caller)
 
-    parallel.race(run, workers)
+    _race(run, states, workers)
 
 
 def _scratch_buffer(name: str, values: int) -> np.ndarray:
@@ -338,20 +392,41 @@ def _tiled(parts: tuple[tuple[QuantizedMatrix, int], ...], x: np.ndarray, out: n
         parallel.share_ranges(x.shape[1], x.size, lambda start, stop: kernels.transpose_tokens(
             x[:, start:stop], transposed[start:stop]))
 
-    def tile_product(index: int) -> None:  # decode one tile into this thread's scratch, multiply it
+    def decoded(index: int) -> tuple[np.ndarray, int, int]:  # one tile, in this thread's scratch
         matrix, first, column = tiles[index]
         rows, columns = matrix.shape
         step = tile_rows(rows, columns)
         count = min(step, rows - first)
         tile = _scratch_buffer("tile", step * columns)[: count * columns].reshape(count, columns)
         kernels.dequantize_tile(matrix.ggml_type, matrix.data, first, tile, kernels.F16_TABLE, HALF)
+        return tile, column + first, step
+
+    def multiply(tile: np.ndarray, step: int, into: np.ndarray, flat_into: np.ndarray, at: int,
+                 stride: int) -> None:
+        """into = x · tileᵀ: by BLAS, or by `kernels.tile_product` into flat_into from `at`, rows `stride`
+        apart (where x was transposed)."""
         if flat is None:
-            np.matmul(x, tile.T, out=out[:, column + first:column + first + count])
+            np.matmul(x, tile.T, out=into)
         else:
             partial = _scratch_buffer("partial", step * padded)
-            kernels.tile_product(tile, transposed, tokens, partial, flat[0], column + first, flat[1])
+            kernels.tile_product(tile, transposed, tokens, partial, flat_into, at, stride)
 
-    parallel.share(tile_product, len(tiles), blas=flat is None)
+    def straight(index: int) -> None:  # the caller's tiles: into out
+        tile, at, step = decoded(index)
+        into = out[:, at:at + len(tile)]
+        multiply(tile, step, into, *((into, 0, 0) if flat is None else (flat[0], at, flat[1])))
+
+    def aside(index: int) -> tuple[np.ndarray, int]:  # a helper's: into its own scratch
+        tile, at, step = decoded(index)
+        product = _scratch_buffer("product", tokens * step)[: tokens * len(tile)].reshape(tokens, len(tile))
+        multiply(tile, step, product, product.reshape(-1), 0, len(tile))
+        return product, at
+
+    def store(index: int, result: object) -> None:
+        product, at = result
+        out[:, at:at + product.shape[1]] = product
+
+    parallel.race_pieces(len(tiles), aside, store, direct=straight, blas=flat is None)
 
 
 class QuantizedMatrix:
