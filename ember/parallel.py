@@ -355,7 +355,7 @@ def race(work: Callable[[bool], None], on: int) -> _Job | None:
     For work that completes every piece in the caller's call whatever the helpers do: a helper computes
     its pieces aside and writes each where others read only once it has made sure the caller has not
     taken that piece back, the caller takes back the pieces a helper has not finished when none is left
-    to take (`ember.quant.kernels.OPEN`). So a helper that lost its core to another process costs the
+    to take (`ember.quant.kernels.share_state`). So a helper that lost its core to another process costs the
     caller a short watch and one piece of its own work, never the other process's time slice, and its
     late values are dropped. A helper's error is dropped too: the caller computes that piece itself and
     meets the error there. While the helpers have not yet picked up the last race's job, the caller
@@ -369,7 +369,7 @@ def race(work: Callable[[bool], None], on: int) -> _Job | None:
     return job
 
 
-# A piece's state in `race_pieces` (as `ember.quant.kernels` marks a product's pieces).
+# A piece's state in `race_pieces`, and in the numba kernels' products (`ember.quant.kernels.share_state`).
 OPEN, COPYING, DONE, TAKEN = 0, 1, 2, 3
 # When its pieces are all taken, a caller of `race_pieces` watches a helper's unfinished piece for up to
 # this many µs before computing it itself: a prefill tile or a query chunk's attention takes 0.1-1 ms.

@@ -21,7 +21,7 @@ The drivers dispatch on the type once per row segment, through `_decode`, `_rows
 None of them starts threads: each runs in its caller's thread without the GIL, and the threads that
 share a product (`matrix._on_threads`, on `ember.parallel`'s threads) each call it, the rows taken in
 small pieces through an atomic counter (`simd.claim`) rather than as fixed shares (numba's prange); a
-helper publishes each piece it computed unless the caller has taken it back (`share_state`, OPEN).
+helper publishes each piece it computed unless the caller has taken it back (`share_state`).
 
 The decoders serve prefill (tiles for BLAS) and embedding lookups; decode's products do not decode
 rows into memory first: with the primitives they ran 2.5–4× faster than decoding a row and dotting it.
@@ -37,6 +37,7 @@ from __future__ import annotations
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
+from ember.parallel import COPYING, DONE, OPEN, TAKEN
 from ember.quant import simd
 from ember.quant.blocks import BLOCK_TYPES, BlockType, seal, switch
 from ember.quant.jit import njit
@@ -582,8 +583,8 @@ PREFETCH_ROWS = 4
 # lands in `out` once, without the calling thread ever waiting long for a helper that lost its core to
 # another process. The product's `state` (int64, from `share_state`): [0] the next piece to take (an
 # atomic counter, `simd.claim`), [1] how many rounds of `simd.pause` the caller watches a helper's
-# unfinished piece before taking it back, [2 + k] piece k's state, one of:
-OPEN, COPYING, DONE, TAKEN = 0, 1, 2, 3
+# unfinished piece before taking it back, [2 + k] piece k's state, one of OPEN, COPYING, DONE, TAKEN
+# (`ember.parallel`'s, which marks the pieces it hands out in Python alike).
 # A helper computes its pieces into a buffer of its own and copies each into `out` only after moving
 # its state from OPEN to COPYING (`publish`); the caller computes straight into `out`. Once no piece is
 # left to take, the caller goes through the pieces the helpers took: done, it moves on; open after its
@@ -594,7 +595,7 @@ OPEN, COPYING, DONE, TAKEN = 0, 1, 2, 3
 
 
 def share_state(pieces: int, patience: int) -> np.ndarray:
-    """A fresh `state` for a product of `pieces` pieces (see OPEN), the caller watching `patience` rounds."""
+    """A fresh `state` for a product of `pieces` pieces (see above), the caller watching `patience` rounds."""
     state = np.zeros(2 + pieces, np.int64)
     state[1] = patience
     return state
@@ -631,7 +632,7 @@ def next_piece(state, piece, rows, caller, checked):
     """(k, first, stop, checked): the piece k, rows first…stop−1 of a stack of `rows`, this thread
     computes next (first ≥ rows: none is left); pieces are taken through state[0] until none is left,
     then the caller (`caller` true) takes back the helpers' unfinished ones from piece `checked` on
-    (see OPEN). The thread marks each piece it computed with `finish_piece`."""
+    (see `share_state`). The thread marks each piece it computed with `finish_piece`."""
     pieces = (rows + piece - 1) // piece
     k = simd.claim(state)
     if k >= pieces:
@@ -813,7 +814,7 @@ def matvec(qtypes, parts, offsets, x, out, table, state, piece, caller):
     The rows go in pieces of `piece` consecutive rows, taken through `state` (`share_state`): every
     thread that shares the product calls this kernel with the same state, in its own thread without
     the GIL (`matrix._on_threads`; `caller` true in the thread that called the product), and takes the
-    next piece as it finishes one; the caller takes back a piece whose helper lost its core (see OPEN).
+    next piece as it finishes one; the caller takes back a piece whose helper lost its core.
     Each row's sum is computed alike whoever takes it: the values do not depend on the threads.
     """
     rows = offsets[-1]

@@ -111,7 +111,7 @@ ROUNDED_MIN_PIECE = 32
 # it is off its core whatever the piece's size; prompts keep their 32 rows.
 ROUNDED_PIECE_VALUES = 1 << 19
 # When a product's pieces are all taken, its caller watches each piece a helper has not finished for
-# up to this many µs before computing it itself (`kernels.OPEN`): about a piece's work, so a helper on
+# up to this many µs before computing it itself (`kernels.share_state`): about a piece's work, so a helper on
 # its core finishes first, and one that lost its core costs no more than that and the piece.
 REDO_WATCH = 50.0
 
@@ -401,25 +401,24 @@ def _tiled(parts: tuple[tuple[QuantizedMatrix, int], ...], x: np.ndarray, out: n
         kernels.dequantize_tile(matrix.ggml_type, matrix.data, first, tile, kernels.F16_TABLE, HALF)
         return tile, column + first, step
 
-    def multiply(tile: np.ndarray, step: int, into: np.ndarray, flat_into: np.ndarray, at: int,
-                 stride: int) -> None:
-        """into = x · tileᵀ: by BLAS, or by `kernels.tile_product` into flat_into from `at`, rows `stride`
-        apart (where x was transposed)."""
+    def multiply(tile: np.ndarray, step: int, into: np.ndarray) -> None:
+        """into = x · tileᵀ (into: columns of out, or a helper's scratch): by BLAS, or by
+        `kernels.tile_product` where x was transposed."""
         if flat is None:
             np.matmul(x, tile.T, out=into)
         else:
+            target, stride = _flat_rows(into)
             partial = _scratch_buffer("partial", step * padded)
-            kernels.tile_product(tile, transposed, tokens, partial, flat_into, at, stride)
+            kernels.tile_product(tile, transposed, tokens, partial, target, 0, stride)
 
     def straight(index: int) -> None:  # the caller's tiles: into out
         tile, at, step = decoded(index)
-        into = out[:, at:at + len(tile)]
-        multiply(tile, step, into, *((into, 0, 0) if flat is None else (flat[0], at, flat[1])))
+        multiply(tile, step, out[:, at:at + len(tile)])
 
     def aside(index: int) -> tuple[np.ndarray, int]:  # a helper's: into its own scratch
         tile, at, step = decoded(index)
         product = _scratch_buffer("product", tokens * step)[: tokens * len(tile)].reshape(tokens, len(tile))
-        multiply(tile, step, product, product.reshape(-1), 0, len(tile))
+        multiply(tile, step, product)
         return product, at
 
     def store(index: int, result: object) -> None:
